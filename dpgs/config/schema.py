@@ -1,0 +1,131 @@
+"""The dpgs configuration schema.
+
+Every section forbids unknown keys, so a typo (``train.batch_sz``) is an error naming the key instead of
+a silently ignored setting. Defaults are the values a newcomer should start from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of all sections: unknown keys and wrong types are rejected."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    kind: Literal["features", "tiles"] = "features"
+    manifest: Path | None = None
+    features_dir: Path | None = Field(None, description="feature bags (plain, CLAM or TRIDENT layout)")
+    encoder: str | None = Field(None, description="TRIDENT features_<encoder> directory to use")
+    split_file: Path | None = Field(None, description="CLAM splits_k.csv (columns train,val,test)")
+    folds: int = Field(1, ge=1, description="K-fold cross-validation when > 1")
+    val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
+    cache_gb: float = Field(2.0, gt=0, description="bounded in-memory bag cache")
+    prefetch: int = Field(2, ge=0, description="batches loaded ahead in a background thread")
+    # tile bags (data.kind=tiles)
+    slides_dir: Path | None = None
+    tiles_dir: Path | None = Field(None, description="h5 files with coords written by `dpgs tile`")
+    tiles_per_bag: int = Field(256, ge=1)
+    tile_size: int | None = Field(None, ge=8, description="resize tiles to this side (None: as tiled)")
+    augment: bool = True
+
+
+class ModelConfig(Section):
+    name: str = "abmil"
+    params: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters")
+    encoder: Literal["none", "resnet18", "resnet50"] = "none"
+    encoder_weights: Path | None = None
+    freeze_encoder: bool = False
+    big_stages: int = Field(3, ge=-1, le=4)
+    max_elements: int = Field(1 << 24, ge=1)
+
+
+class EarlyStoppingConfig(Section):
+    patience: int = Field(0, ge=0, description="epochs without improvement before stopping (0: off)")
+    monitor: str = "val_auc"
+    mode: Literal["max", "min"] = "max"
+
+
+class TrainConfig(Section):
+    mode: Literal["classic", "padding", "sampling", "packed", "dpgs"] = "packed"
+    epochs: int = Field(20, ge=1)
+    batch_size: int = Field(16, ge=1, description="bags per optimizer step (classic uses 1)")
+    sample_size: int = Field(64, ge=1, description="instances per bag in mode=sampling")
+    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
+    lr: float = Field(2e-4, gt=0)
+    weight_decay: float = Field(1e-5, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    scheduler: Literal["none", "cosine", "step", "exponential"] = "cosine"
+    step_size: int = Field(10, ge=1, description="epochs per decay for scheduler=step")
+    gamma: float = Field(0.5, gt=0, le=1, description="decay factor for step / exponential")
+    accumulation_steps: int = Field(1, ge=1)
+    grad_clip: float | None = Field(None, gt=0, description="clip the global gradient norm")
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
+    class_weighted_loss: bool = False
+    output_dir: Path = Path("runs/latest")
+    device: str = "auto"
+    deterministic: bool = False
+
+
+class EvalConfig(Section):
+    sample_k: int | None = Field(None, ge=1, description="also evaluate with K sampled instances per bag")
+    repeats: int = Field(5, ge=1, description="repetitions of the sampled protocol")
+
+
+class TrackingConfig(Section):
+    uri: str = "sqlite:///mlflow.db"
+    run_name: str | None = None
+
+
+class CompressionConfig(Section):
+    keep_ratio: float = Field(1.0, gt=0, le=1)
+    value_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    clip_norm: float | None = Field(None, gt=0)
+    zstd_level: int = Field(3, ge=1, le=22)
+    momentum_correction: float | None = Field(None, ge=0, lt=1)
+    warmup_epochs: int = Field(0, ge=0, description="DGC keep-ratio warm-up epochs")
+    dense_min_numel: int = Field(0, ge=0, description="tensors smaller than this are sent dense")
+    dense_sync_every: int = Field(100, ge=1)
+    downlink: bool = Field(True, description="compress master->worker weight deltas too")
+
+
+class DpgsConfig(Section):
+    workers: int = Field(2, ge=1)
+    address: str | None = Field(None, description="unset: local Ray; 'auto' or host:port: join")
+    gpus_per_worker: float | None = Field(None, ge=0, le=8)
+    cpus_per_worker: float | None = Field(None, gt=0)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    call_timeout_s: float = Field(600.0, gt=0)
+    max_worker_restarts: int = Field(3, ge=0)
+    checkpoint_every: int = Field(0, ge=0, description="steps between master checkpoints (0: epoch end)")
+    emulate_bandwidth_mbps: float | None = Field(None, gt=0)
+    resume: Path | None = Field(None, description="DPGS checkpoint to continue from (set by --resume)")
+    dashboard: bool = False
+    object_store_gb: float | None = Field(None, gt=0)
+    sample_parallel: int = Field(1, ge=1, description="ranks per worker group for one huge input")
+    sample_grid: tuple[int, int] | None = None
+
+
+class Config(Section):
+    experiment: str = "dpgs"
+    seed: int = 0
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    dpgs: DpgsConfig = Field(default_factory=DpgsConfig)
+
+    @model_validator(mode="after")
+    def _check_data_sources(self) -> Config:
+        if self.data.kind == "features" and self.data.features_dir is None and self.data.manifest is not None:
+            raise ValueError("data.features_dir is required when data.kind=features")
+        if self.data.kind == "tiles" and self.model.encoder == "none":
+            raise ValueError("model.encoder must be resnet18 or resnet50 when data.kind=tiles")
+        return self

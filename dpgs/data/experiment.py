@@ -1,0 +1,75 @@
+"""Everything a training run needs from ``config.data``: manifest, validated dataset and splits.
+
+:func:`load_experiment_data` reads the manifest, builds the splits and validates every feature file,
+then raises one :class:`DataValidationError` listing all problems (manifest rows, split files, feature
+files) before anything is written. Split precedence: ``data.folds > 1`` (K-fold), else
+``data.split_file`` (CLAM), else the manifest's ``split`` column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpgs.data.dataset import BagDataset
+from dpgs.data.errors import DataValidationError
+from dpgs.data.manifest import Manifest, load_manifest
+from dpgs.data.readers import BagInfo
+from dpgs.data.splits import Split, clam_splits, kfold_splits, manifest_split
+from dpgs.data.validate import validate_inputs
+
+
+@dataclass
+class ExperimentData:
+    manifest: Manifest
+    dataset: BagDataset
+    splits: list[Split]
+    infos: dict[str, BagInfo]
+
+
+def build_splits(manifest: Manifest, data_cfg: Any, seed: int) -> list[Split]:
+    """The splits selected by ``data.folds``, ``data.split_file`` or the manifest's split column."""
+    if data_cfg.folds > 1:
+        if data_cfg.split_file is not None:
+            raise DataValidationError(
+                [f"data.folds={data_cfg.folds} and data.split_file={data_cfg.split_file}: choose one"]
+            )
+        return kfold_splits(manifest, data_cfg.folds, data_cfg.val_fraction, seed)
+    if data_cfg.split_file is not None:
+        return clam_splits(manifest, data_cfg.split_file)
+    if manifest.records and all(r.split is None for r in manifest.records):
+        raise DataValidationError(
+            [f"{manifest.source}: no 'split' column; add one, or set data.split_file or data.folds > 1"]
+        )
+    return [manifest_split(manifest)]
+
+
+def load_experiment_data(
+    data_cfg: Any,
+    seed: int = 0,
+    classes: list[str] | None = None,
+    with_splits: bool = True,
+    check_values: bool = True,
+) -> ExperimentData:
+    """Manifest, dataset and splits of ``data_cfg`` (a :class:`dpgs.config.schema.DataConfig`).
+
+    ``classes`` forces the class order (evaluation of a saved model); ``with_splits=False`` skips split
+    construction (``splits`` is then empty). Raises :class:`DataValidationError` with every problem.
+    """
+    if data_cfg.kind != "features":
+        raise ValueError(f"load_experiment_data reads feature bags; data.kind={data_cfg.kind!r} is not one")
+    if data_cfg.manifest is None or data_cfg.features_dir is None:
+        raise DataValidationError(["data.manifest and data.features_dir are both required"])
+    manifest = load_manifest(
+        data_cfg.manifest, data_cfg.features_dir, classes=classes, encoder=data_cfg.encoder, strict=False
+    )
+    splits: list[Split] = []
+    split_problems: list[str] = []
+    if with_splits and not manifest.problems:
+        try:
+            splits = build_splits(manifest, data_cfg, seed)
+        except DataValidationError as err:
+            split_problems = err.problems
+    infos = validate_inputs(manifest, check_values=check_values, extra_problems=split_problems)
+    dataset = BagDataset(manifest.records, cache_bytes=int(data_cfg.cache_gb * (1 << 30)), infos=infos)
+    return ExperimentData(manifest, dataset, splits, infos)

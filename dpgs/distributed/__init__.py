@@ -1,0 +1,1 @@
+"""DPGS logic shared by the Ray master (``master/``) and bag workers (``workers/``)."""

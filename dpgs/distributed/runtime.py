@@ -1,0 +1,99 @@
+"""Connecting to Ray and reserving resources for the workers.
+
+* ``dpgs.address`` unset: start a local Ray instance sized to this machine (dashboard off unless
+  ``dpgs.dashboard``; object store ``dpgs.object_store_gb`` or 20% of RAM capped at 8 GiB).
+  ``auto`` or ``host:port``: join an existing cluster, with a clear error when there is none.
+* Workers get one placement-group bundle each, so the run starts only when all of them fit; when
+  they cannot, the error names the request and what the cluster has instead of hanging.
+* On one machine, P virtual nodes share its CPUs (``cpus_per_worker`` = CPUs / P) and GPU
+  (``gpus_per_worker`` = 1 / P of a GPU); torch threads per worker are floor(CPUs / P), at least 1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from dpgs.config.schema import DpgsConfig
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+class ClusterError(RuntimeError):
+    """Ray cannot be reached or cannot host the requested workers."""
+
+
+def _default_object_store_bytes() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return int(min(total * 0.2, 8 << 30))
+
+
+def connect(cfg: DpgsConfig) -> None:
+    """Start or join Ray (no-op when this process is already connected)."""
+    if ray.is_initialized():
+        return
+    if cfg.address:
+        try:
+            ray.init(address=cfg.address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise ClusterError(
+                f"dpgs.address={cfg.address}: no Ray cluster found ({err}). Start one with "
+                "`ray start --head` or `ray up configs/cluster.yaml`, or unset dpgs.address to run locally."
+            ) from None
+        return
+    store = int(cfg.object_store_gb * (1 << 30)) if cfg.object_store_gb else _default_object_store_bytes()
+    ray.init(
+        num_cpus=os.cpu_count(),
+        include_dashboard=cfg.dashboard,
+        object_store_memory=store,
+        log_to_driver=True,
+    )
+
+
+@dataclass
+class WorkerResources:
+    cpus: float
+    gpus: float
+    threads: int
+    device: str
+
+
+def worker_resources(cfg: DpgsConfig, train_device: str) -> WorkerResources:
+    """Per-worker CPU/GPU share and torch thread count from the cluster's resources."""
+    resources = ray.cluster_resources()
+    total_cpus = float(resources.get("CPU", 1.0))
+    total_gpus = float(resources.get("GPU", 0.0))
+    cpus = cfg.cpus_per_worker or max(total_cpus / cfg.workers, 0.01)
+    use_gpu = train_device != "cpu" and total_gpus > 0
+    if cfg.gpus_per_worker is not None:
+        gpus = cfg.gpus_per_worker
+    else:
+        gpus = min(1.0, total_gpus / cfg.workers) if use_gpu else 0.0
+    threads = max(1, int(total_cpus // cfg.workers) if cfg.cpus_per_worker is None else int(cpus))
+    return WorkerResources(cpus=cpus, gpus=gpus, threads=threads, device="cuda" if gpus > 0 else "cpu")
+
+
+def reserve(workers: int, res: WorkerResources, timeout_s: float = PLACEMENT_TIMEOUT_S):
+    """A placement group with one bundle per worker (spread over nodes when there are several)."""
+    bundle = {"CPU": res.cpus}
+    if res.gpus > 0:
+        bundle["GPU"] = res.gpus
+    group = placement_group([dict(bundle) for _ in range(workers)], strategy="SPREAD")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise ClusterError(
+            f"cannot place {workers} workers with {bundle} each within {timeout_s:.0f}s; the cluster has "
+            f"{ray.cluster_resources()}. Lower dpgs.workers, dpgs.cpus_per_worker or dpgs.gpus_per_worker."
+        )
+    return group
+
+
+def release(group) -> None:
+    remove_placement_group(group)

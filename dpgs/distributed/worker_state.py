@@ -1,0 +1,108 @@
+"""What a DPGS bag worker does, independent of Ray (``workers.BagWorker`` wraps it in an actor).
+
+A worker holds a model replica, its weight version and its error-feedback residual (inside the
+uplink compressor). Per step it
+
+1. applies the master's weight update (a compressed delta for version v -> v+1, or a dense snapshot);
+   an update that does not continue its version is refused (``needs_resync``) and the driver sends
+   a dense snapshot,
+2. runs forward and backward over its bags, packed in one pass when the head allows it, and
+   back-propagates the **sum** of per-bag losses (the master divides by the step's bag count),
+3. compresses the flat gradient and returns the payload with per-bag losses and timings.
+
+The step's dropout randomness is seeded from (seed, step, first bag index), so a step re-run after a
+failure or a resume computes exactly the same gradient.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dpgs.config.schema import CompressionConfig
+from dpgs.distributed.codec import GradientEncoder, VersionMismatch, apply_update
+from dpgs.distributed.flat import flat_grads, flat_params, load_flat_params, trainable
+from dpgs.train.steps import batch_loss
+
+
+def emulate_link(nbytes: int, mbps: float | None) -> float:
+    """Sleep for the transfer time of ``nbytes`` over a ``mbps`` link; returns the seconds slept."""
+    if not mbps:
+        return 0.0
+    seconds = nbytes * 8 / (mbps * 1e6)
+    time.sleep(seconds)
+    return seconds
+
+
+class WorkerState:
+    def __init__(
+        self,
+        rank: int,
+        model_spec,
+        dataset,
+        compression: CompressionConfig,
+        class_weights: torch.Tensor | None,
+        seed: int,
+        device: str = "cpu",
+        emulate_bandwidth_mbps: float | None = None,
+    ):
+        self.rank = rank
+        self.device = torch.device(device)
+        self.model = model_spec.build().to(self.device)
+        self.dataset = dataset
+        self.class_weights = None if class_weights is None else class_weights.to(self.device)
+        self.seed = seed
+        self.version = -1  # no weights received yet
+        self.encoder = GradientEncoder(compression, self.model)
+        self.mbps = emulate_bandwidth_mbps
+
+    def receive(self, update: bytes) -> None:
+        """Apply a delta or snapshot payload; raises VersionMismatch when it does not fit."""
+        flat = flat_params(self.model)
+        new_flat, self.version = apply_update(flat, self.version, update)
+        load_flat_params(self.model, new_flat)
+
+    def compute(self, update: bytes | None, indices: list[int], step: int, keep_ratio: float) -> tuple[bytes, dict]:
+        """Apply ``update`` then return (gradient payload, stats) for the bags ``indices``."""
+        start = time.perf_counter()
+        if update is not None:
+            try:
+                self.receive(update)
+            except VersionMismatch as err:
+                return b"", {"rank": self.rank, "needs_resync": True, "reason": str(err)}
+        stats: dict = {"rank": self.rank, "needs_resync": False, "version": self.version, "n_bags": len(indices)}
+        if not indices:
+            stats.update(compute_seconds=0.0, payload_bytes=0, dense_bytes=0, losses=[], slide_ids=[])
+            return b"", stats
+        load_start = time.perf_counter()
+        bags = [self.dataset[i] for i in indices]
+        compute_start = time.perf_counter()
+        torch.manual_seed(self.seed * 1_000_003 + step * 8191 + indices[0])
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        features = [b.features.to(self.device) for b in bags]
+        labels = torch.tensor([b.label for b in bags], device=self.device)
+        out = batch_loss(self.model, features, labels, "packed", self.class_weights)
+        out["per_bag"].sum().backward()
+        grad = flat_grads(self.model)
+        compute_seconds = time.perf_counter() - compute_start
+        payload, enc = self.encoder.encode(grad, keep_ratio)
+        link_seconds = emulate_link(len(payload), self.mbps)
+        stats.update(
+            losses=out["per_bag"].detach().cpu().tolist(),
+            slide_ids=[b.slide_id for b in bags],
+            instances=sum(f.shape[0] for f in features),
+            load_seconds=compute_start - load_start,
+            compute_seconds=compute_seconds,
+            encode_seconds=enc["encode_seconds"],
+            link_seconds=link_seconds,
+            payload_bytes=len(payload),
+            dense_bytes=enc["dense_bytes"],
+            sent=enc["count"],
+            total_seconds=time.perf_counter() - start,
+        )
+        return payload, stats
+
+    def n_trainable(self) -> int:
+        return sum(p.numel() for p in trainable(self.model))

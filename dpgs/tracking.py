@@ -1,0 +1,69 @@
+"""MLflow logging for dpgs runs (the tracking contract is in docs/architecture.md).
+
+Only the driver process logs. Metrics and params go through ``MlflowClient.log_batch`` so an epoch is
+one round trip to the tracking store, which matters for SQLite and for remote tracking servers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+PARAM_VALUE_LIMIT = 6000
+BATCH_LIMIT = 100
+
+
+class RunTracker:
+    """One MLflow run (optionally nested under a parent run)."""
+
+    def __init__(self, client: MlflowClient, run_id: str):
+        self.client = client
+        self.run_id = run_id
+
+    @classmethod
+    def start(
+        cls,
+        uri: str,
+        experiment: str,
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
+        parent: RunTracker | None = None,
+    ) -> RunTracker:
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        all_tags = dict(tags or {})
+        if parent is not None:
+            all_tags["mlflow.parentRunId"] = parent.run_id
+        run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+        return cls(client, run.info.run_id)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [Param(k, str(v)[:PARAM_VALUE_LIMIT]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), BATCH_LIMIT):
+            self.client.log_batch(self.run_id, params=items[i : i + BATCH_LIMIT])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Log finite metrics (NaN, e.g. AUC of a one-class set, is skipped) in one batch."""
+        now = int(time.time() * 1000)
+        items = [
+            Metric(k, float(v), now, step or 0)
+            for k, v in metrics.items()
+            if v is not None and math.isfinite(float(v))
+        ]
+        for i in range(0, len(items), BATCH_LIMIT):
+            self.client.log_batch(self.run_id, metrics=items[i : i + BATCH_LIMIT])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)

@@ -1,0 +1,103 @@
+"""Single-process training engine: one model, one optimizer, every non-distributed mode.
+
+An engine runs the optimizer steps of an epoch and exposes the current model for evaluation; the DPGS
+engine (``dpgs.distributed.engine``) implements the same interface on Ray actors, so the trainer loop
+is shared.
+
+Gradient accumulation over ``accumulation_steps`` batches back-propagates ``loss / accumulation_steps``
+and zeroes gradients only after the optimizer step that consumed them. A partial accumulation window at
+the end of an epoch is rescaled to the mean over the batches it holds and applied.
+"""
+
+from __future__ import annotations
+
+import time
+import torch
+from tqdm.auto import tqdm
+
+from dpgs.config.schema import TrainConfig
+from dpgs.data import Prefetcher
+from dpgs.train.optim import build_optimizer, build_scheduler
+from dpgs.train.steps import batch_loss, check_mode_supported
+
+
+class LocalEngine:
+    """Trains ``model`` in-process on batches of loaded bags."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: TrainConfig,
+        device: torch.device,
+        class_weights: torch.Tensor | None,
+        seed: int,
+        dataset,
+        prefetch: int = 2,
+    ):
+        check_mode_supported(model, cfg.mode)
+        self.model = model.to(device)
+        self.cfg = cfg
+        self.device = device
+        self.class_weights = None if class_weights is None else class_weights.to(device)
+        self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.sample_gen = torch.Generator().manual_seed(seed)
+        self.dataset = dataset
+        self.prefetch = prefetch
+        self.pending = 0  # batches back-propagated since the last optimizer step
+        self.steps = 0
+
+    def _apply(self) -> None:
+        if self.pending == 0:
+            return
+        if self.pending != self.cfg.accumulation_steps:
+            scale = self.cfg.accumulation_steps / self.pending
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending = 0
+        self.steps += 1
+
+    def train_batch(self, bags: list) -> tuple[float, int]:
+        """Back-propagate one batch; step when the accumulation window is full. Returns (loss sum, B)."""
+        features = [b.features.to(self.device, non_blocking=True) for b in bags]
+        labels = torch.tensor([b.label for b in bags], device=self.device)
+        out = batch_loss(
+            self.model, features, labels, self.cfg.mode, self.class_weights, self.cfg.sample_size, self.sample_gen
+        )
+        (out["loss"] / self.cfg.accumulation_steps).backward()
+        self.pending += 1
+        if self.pending == self.cfg.accumulation_steps:
+            self._apply()
+        return float(out["loss"]) * len(bags), len(bags)
+
+    def run_epoch(self, batches: list[list[int]], epoch: int, history: list[dict] | None = None) -> dict:
+        """Train on every batch of bag indices (loaded ahead in a background thread).
+
+        Returns ``train_loss`` (mean per bag) and ``train_seconds``.
+        """
+        self.model.train()
+        total, count = 0.0, 0
+        start = time.perf_counter()
+        loaded = Prefetcher(self.dataset, batches, depth=self.prefetch)
+        for bags in tqdm(loaded, total=len(batches), desc=f"epoch {epoch}", leave=False, disable=None):
+            loss_sum, n = self.train_batch(bags)
+            total += loss_sum
+            count += n
+        self._apply()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return {"train_loss": total / max(count, 1), "train_seconds": time.perf_counter() - start}
+
+    def eval_model(self) -> torch.nn.Module:
+        return self.model
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def close(self) -> None:
+        """Nothing to release in-process."""

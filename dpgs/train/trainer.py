@@ -1,0 +1,272 @@
+"""The training loop shared by every mode: epochs, validation, early stopping, checkpoints, MLflow.
+
+``run_training(config)`` validates all inputs first (nothing is written when they are bad), then
+trains one run, or a parent run with one nested run per fold when ``data.folds > 1``.
+
+Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives ``config.yaml``, ``classes.json``,
+``metrics.csv`` (one row per epoch), ``last.pt`` and ``best.pt`` (plain state_dicts) and
+``training_curves.png``. The best epoch maximises (or minimises) ``train.early_stopping.monitor``; with
+no validation bags the last epoch is the best.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpgs.config import Config, config_to_dict, flatten, save_config
+from dpgs.data import BagDataset, Prefetcher, Split, load_experiment_data
+from dpgs.metrics import METRIC_NAMES
+from dpgs.modeling import ModelSpec, resolve_device
+from dpgs.plots import plot_training_curves
+from dpgs.tracking import RunTracker
+from dpgs.train.batching import epoch_batches
+from dpgs.train.engine import LocalEngine
+from dpgs.train.evaluate import predict, sampled_protocol
+from dpgs.train.optim import class_weights_for
+
+
+@dataclass
+class FoldResult:
+    name: str
+    run_id: str
+    output_dir: Path
+    best_epoch: int
+    test_metrics: dict[str, float]
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class TrainingResult:
+    run_id: str
+    folds: list[FoldResult]
+    summary: dict[str, float]
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def make_engine(config: Config, spec: ModelSpec, model, device, class_weights, dataset, train_idx):
+    """LocalEngine for single-process modes, the Ray DPGS engine for ``train.mode=dpgs``."""
+    if config.train.mode == "dpgs":
+        from dpgs.distributed.engine import DpgsEngine
+
+        return DpgsEngine(config, model, class_weights, (dataset, train_idx), spec)
+    return LocalEngine(model, config.train, device, class_weights, config.seed, dataset, config.data.prefetch)
+
+
+def is_improvement(value: float, best: float | None, mode: str) -> bool:
+    if value is None or not math.isfinite(value):
+        return False
+    if best is None:
+        return True
+    return value > best if mode == "max" else value < best
+
+
+def iterate_bags(dataset: BagDataset, indices: list[int], depth: int):
+    """Bags of ``indices`` one by one, loaded ahead in a background thread."""
+    for batch in Prefetcher(dataset, [[i] for i in indices], depth=depth):
+        yield batch[0]
+
+
+class FoldTrainer:
+    """Trains and evaluates one split."""
+
+    def __init__(self, config: Config, dataset: BagDataset, classes: list[str], split: Split, out_dir: Path):
+        self.config = config
+        self.dataset = dataset
+        self.classes = classes
+        self.split = split
+        self.out_dir = out_dir
+        self.device = resolve_device(config.train.device)
+        self.num_classes = len(classes)
+
+    def _evaluate(self, model, indices: list[int], prefix: str) -> dict[str, float]:
+        preds = predict(
+            model, iterate_bags(self.dataset, indices, self.config.data.prefetch), self.device, self.num_classes
+        )
+        return preds.metrics(prefix)
+
+    def _write_history(self, history: list[dict]) -> Path:
+        path = self.out_dir / "metrics.csv"
+        keys = list(dict.fromkeys(k for row in history for k in row))
+        with path.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(history)
+        return path
+
+    def run(self, tracker: RunTracker) -> FoldResult:
+        cfg = self.config
+        seed_everything(cfg.seed, cfg.train.deterministic)
+        train_idx, val_idx, test_idx = self.split.train, self.split.val, self.split.test
+        labels = [self.dataset.records[i].label for i in train_idx]
+        class_weights = class_weights_for(labels, self.num_classes) if cfg.train.class_weighted_loss else None
+        spec = ModelSpec(cfg.model, self.dataset.feature_dim, self.num_classes)
+        model = spec.build()
+        batch_size = 1 if cfg.train.mode == "classic" else cfg.train.batch_size
+        steps_per_epoch = math.ceil(len(train_idx) / batch_size)
+        tracker.log_params(
+            {
+                "steps_per_epoch": steps_per_epoch,
+                "n_train": len(train_idx),
+                "n_val": len(val_idx),
+                "n_test": len(test_idx),
+                "classes": json.dumps(self.classes),
+                "n_parameters": sum(p.numel() for p in model.parameters()),
+            }
+        )
+        engine = make_engine(cfg, spec, model, self.device, class_weights, self.dataset, train_idx)
+        monitor, mode = cfg.train.early_stopping.monitor, cfg.train.early_stopping.mode
+        history: list[dict] = []
+        best_value, best_epoch, best_elapsed, stale = None, 0, 0.0, 0
+        first_epoch, elapsed_before = 1, 0.0
+        if cfg.dpgs.resume is not None and cfg.train.mode == "dpgs":
+            driver = engine.restore(torch.load(cfg.dpgs.resume, weights_only=True))
+            history, first_epoch = list(driver["history"]), int(driver["epoch"])
+            elapsed_before = history[-1]["elapsed_seconds"] if history else 0.0
+            for row in history:
+                if is_improvement(row.get(monitor), best_value, mode) or not val_idx:
+                    best_value, best_epoch, best_elapsed, stale = row.get(monitor), row["epoch"], row["elapsed_seconds"], 0
+                else:
+                    stale += 1
+            print(f"[{self.split.name}] resumed from {cfg.dpgs.resume} at epoch {first_epoch}")
+        start = time.perf_counter() - elapsed_before
+        try:
+            for epoch in range(first_epoch, cfg.train.epochs + 1):
+                epoch_start = time.perf_counter()
+                batches = epoch_batches(train_idx, batch_size, cfg.seed, epoch)
+                stats = engine.run_epoch(batches, epoch, history)
+                model_now = engine.eval_model()
+                row = {"epoch": epoch, **stats}
+                if val_idx:
+                    row.update(self._evaluate(model_now, val_idx, "val_"))
+                row["epoch_seconds"] = time.perf_counter() - epoch_start
+                row["elapsed_seconds"] = time.perf_counter() - start
+                history.append(row)
+                torch.save(engine.state_dict(), self.out_dir / "last.pt")
+                value = row.get(monitor)
+                improved = is_improvement(value, best_value, mode) if val_idx else True
+                if improved:
+                    best_value = value if val_idx else None
+                    best_epoch, best_elapsed, stale = epoch, row["elapsed_seconds"], 0
+                    torch.save(engine.state_dict(), self.out_dir / "best.pt")
+                else:
+                    stale += 1
+                tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
+                self._write_history(history)
+                if hasattr(engine, "checkpoint"):
+                    engine.checkpoint(epoch + 1, 0, history)
+                summary = ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k.startswith(("train_loss", "val_")))
+                print(f"[{self.split.name}] epoch {epoch}/{cfg.train.epochs} {summary}", flush=True)
+                if cfg.train.early_stopping.patience and stale >= cfg.train.early_stopping.patience:
+                    print(f"[{self.split.name}] early stopping: no {monitor} improvement for {stale} epochs")
+                    break
+            if not (self.out_dir / "best.pt").exists():
+                torch.save(engine.state_dict(), self.out_dir / "best.pt")
+                best_epoch, best_elapsed = history[-1]["epoch"], history[-1]["elapsed_seconds"]
+            eval_model = engine.eval_model()
+            eval_model.load_state_dict(torch.load(self.out_dir / "best.pt", weights_only=True))
+            test = self._evaluate(eval_model, test_idx, "test_") if test_idx else {}
+            if test_idx and cfg.eval.sample_k:
+                test.update(
+                    sampled_protocol(
+                        eval_model,
+                        lambda: iterate_bags(self.dataset, test_idx, cfg.data.prefetch),
+                        self.device,
+                        self.num_classes,
+                        cfg.eval.sample_k,
+                        cfg.eval.repeats,
+                        cfg.seed,
+                        "test_",
+                    )
+                )
+            test.update({"best_epoch": best_epoch, "time_to_best_seconds": best_elapsed})
+            test.update(getattr(engine, "final_metrics", dict)())
+            tracker.log_metrics(test)
+        finally:
+            engine.close()
+        curves = plot_training_curves(history, self.out_dir / "training_curves.png", title=self.split.name)
+        for name in ("config.yaml", "classes.json", "metrics.csv", "best.pt"):
+            tracker.log_artifact(self.out_dir / name)
+        tracker.log_artifact(curves)
+        return FoldResult(self.split.name, tracker.run_id, self.out_dir, best_epoch, test, history)
+
+
+def cv_summary(folds: list[FoldResult]) -> dict[str, float]:
+    """``cv_mean_test_<m>`` and ``cv_std_test_<m>`` over folds (NaN-free values only)."""
+    out = {}
+    for name in METRIC_NAMES:
+        values = [f.test_metrics.get(f"test_{name}") for f in folds]
+        values = [v for v in values if v is not None and math.isfinite(v)]
+        if values:
+            out[f"cv_mean_test_{name}"] = float(np.mean(values))
+            out[f"cv_std_test_{name}"] = float(np.std(values))
+    return out
+
+
+def prepare_output_dir(config: Config, out_dir: Path, classes: list[str]) -> None:
+    """Create ``out_dir`` with the run's config; outputs of an earlier run are removed unless resuming."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if config.dpgs.resume is None:
+        for stale in ("best.pt", "last.pt", "metrics.csv", "checkpoint.pt"):
+            (out_dir / stale).unlink(missing_ok=True)
+    save_config(config, out_dir / "config.yaml")
+    (out_dir / "classes.json").write_text(json.dumps(classes))
+
+
+def run_training(config: Config) -> TrainingResult:
+    """Validate inputs, then train every split; returns the (parent) run id and the results."""
+    data = load_experiment_data(config.data, seed=config.seed)  # raises before anything is written
+    tags = {"dpgs.mode": config.train.mode, "dpgs.model": config.model.name}
+    params = flatten(config_to_dict(config))
+    params["classes"] = json.dumps(data.manifest.classes)
+    uri, experiment = config.tracking.uri, config.experiment
+    root = Path(config.train.output_dir)
+    start = time.perf_counter()
+    if len(data.splits) == 1:
+        prepare_output_dir(config, root, data.manifest.classes)
+        tracker = RunTracker.start(uri, experiment, config.tracking.run_name, tags)
+        tracker.log_params(params)
+        try:
+            fold = FoldTrainer(config, data.dataset, data.manifest.classes, data.splits[0], root).run(tracker)
+        except BaseException:
+            tracker.end("FAILED")
+            raise
+        tracker.log_metrics({"total_seconds": time.perf_counter() - start})
+        tracker.end()
+        return TrainingResult(tracker.run_id, [fold], fold.test_metrics)
+    parent = RunTracker.start(uri, experiment, config.tracking.run_name, {**tags, "dpgs.kfold_parent": "true"})
+    parent.log_params(params)
+    folds = []
+    try:
+        for split in data.splits:
+            out_dir = root / split.name
+            prepare_output_dir(config, out_dir, data.manifest.classes)
+            child = RunTracker.start(uri, experiment, split.name, {**tags, "dpgs.fold": split.name}, parent=parent)
+            child.log_params(params)
+            try:
+                folds.append(FoldTrainer(config, data.dataset, data.manifest.classes, split, out_dir).run(child))
+            except BaseException:
+                child.end("FAILED")
+                raise
+            child.end()
+    except BaseException:
+        parent.end("FAILED")
+        raise
+    summary = cv_summary(folds)
+    summary["total_seconds"] = time.perf_counter() - start
+    parent.log_metrics(summary)
+    parent.end()
+    return TrainingResult(parent.run_id, folds, summary)

@@ -1,0 +1,50 @@
+"""The Ray actor ``Master``: a thin wrapper around :class:`dpgs.distributed.master_state.MasterState`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+import torch
+
+from dpgs.distributed.master_state import MasterState
+
+
+@ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
+class Master:
+    """Owns the parameters, the optimizer, the LR schedule and the step counter."""
+
+    def __init__(self, model_spec, train_cfg, compression_cfg, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.state = MasterState(model_spec, train_cfg, compression_cfg)
+
+    def load_model_state(self, state: dict) -> int:
+        self.state.model.load_state_dict(state)
+        return self.state.step_count
+
+    def snapshot(self) -> bytes:
+        return self.state.snapshot()
+
+    @ray.method(num_returns=2)
+    def step(self, n_bags: int, *payloads: bytes):
+        return self.state.step(n_bags, list(payloads))
+
+    def end_epoch(self) -> float:
+        return self.state.end_epoch()
+
+    def model_state(self) -> dict:
+        return self.state.model_state()
+
+    def save_checkpoint(self, path: str, extra: dict) -> str:
+        """Write master state + ``extra`` (driver progress, RNG states) atomically to ``path``."""
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        torch.save({"master": self.state.state_dict(), "driver": extra}, tmp)
+        os.replace(tmp, target)
+        return str(target)
+
+    def load_checkpoint(self, master_state: dict) -> int:
+        self.state.load_state_dict(master_state)
+        return self.state.step_count

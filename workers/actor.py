@@ -1,0 +1,31 @@
+"""The Ray actor ``BagWorker``: a thin wrapper around :class:`dpgs.distributed.worker_state.WorkerState`."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from dpgs.distributed.worker_state import WorkerState
+
+
+@ray.remote(max_task_retries=0)
+class BagWorker:
+    """Holds a model replica, its error-feedback residual and its weight version."""
+
+    def __init__(self, rank: int, threads: int, **state_kwargs):
+        torch.set_num_threads(threads)
+        self.state = WorkerState(rank=rank, **state_kwargs)
+
+    def ping(self) -> int:
+        """The worker's process id (used to detect restarts, and by fault-injection tests)."""
+        return os.getpid()
+
+    def receive(self, update: bytes) -> int:
+        self.state.receive(update)
+        return self.state.version
+
+    @ray.method(num_returns=2)
+    def compute(self, update: bytes | None, indices: list[int], step: int, keep_ratio: float):
+        return self.state.compute(update, indices, step, keep_ratio)
