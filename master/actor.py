@@ -26,9 +26,14 @@ class Master:
     def snapshot(self) -> bytes:
         return self.state.snapshot()
 
-    @ray.method(num_returns=2)
-    def step(self, n_bags: int, *payloads: bytes):
-        return self.state.step(n_bags, list(payloads))
+    def buffers(self):
+        return self.state.buffers()
+
+    @ray.method(num_returns=3)
+    def step(self, n_bags: int, counts: list[int], *payloads_and_buffers):
+        """``payloads_and_buffers``: the P' gradient payloads, then the P' workers' buffers."""
+        k = len(counts)
+        return self.state.step(n_bags, list(payloads_and_buffers[:k]), list(payloads_and_buffers[k:]), counts)
 
     def end_epoch(self) -> float:
         return self.state.end_epoch()

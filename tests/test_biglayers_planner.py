@@ -16,7 +16,8 @@ def _check(strips, batch, height, window):
         lo, hi = min(rows), max(rows) + 1
         assert (s.lo, s.hi) == (max(lo, 0), min(hi, height))
         assert s.pad_top == max(lo, 0) - lo and s.pad_bottom == hi - min(hi, height)
-        assert s.full_height == (s.r0 == 0 and s.r1 == out_h)
+        if s.full_height:
+            assert (s.r0, s.r1) == (0, out_h)
 
 
 @pytest.mark.parametrize(
@@ -34,12 +35,13 @@ def test_strips_cover_each_output_row_once(k, s, p, d, height, budget):
     strips = plan_strips(2, height, window, 5, 4, max_elements)
     _check(strips, 2, height, window)
     for st in strips:
-        assert st.samples * max(window.in_rows(st.rows) * 5, st.rows * 4) <= max_elements
+        in_rows = height if st.full_height else window.in_rows(st.rows)
+        assert st.samples * max(in_rows * 5, st.rows * 4) <= max_elements
 
 
 def test_batch_partition_groups_whole_samples():
     window = RowWindow(3, 1, 1, 1)
-    per_sample = window.in_rows(8) * 10
+    per_sample = 8 * 10
     strips = plan_strips(7, 8, window, 10, 10, 3 * per_sample)
     assert [(s.n0, s.n1) for s in strips] == [(0, 3), (3, 5), (5, 7)]
     assert all(s.full_height for s in strips)
@@ -52,6 +54,12 @@ def test_rows_are_spread_evenly_and_prime_counts_are_possible():
     assert len(strips) == 13 and all(s.rows == 1 for s in strips)
     strips = plan_strips(1, 13, window, 1, 1, 3)  # ceil(13/3) = 5 strips of 3,3,3,2,2
     assert [s.rows for s in strips] == [3, 3, 3, 2, 2]
+
+
+def test_full_height_strips_count_rows_a_strided_window_skips():
+    window = RowWindow(1, 2, 0, 1)  # 1x1 stride 2 on 2 rows reads only row 0
+    strips = plan_strips(3, 2, window, 100, 100, 200)
+    assert all(s.samples == 1 and s.full_height for s in strips)  # a whole sample holds 2 rows
 
 
 def test_budget_too_small_names_the_layer():

@@ -13,16 +13,16 @@ SIZES = {"image": (2, 37, 45), "bag": (6, 20, 20), "large": (1, 70, 61)}
 BUDGET = 8192  # small enough that every big layer of these inputs is cut into several strips
 
 
-def _pair(arch, big_stages, num_classes=3, max_elements=BUDGET, dtype=F64, seed=0):
+def _pair(arch, big_stages, num_classes=3, max_elements=BUDGET, dtype=F64, seed=0, **options):
     ref = dense_resnet(arch, num_classes=num_classes, dtype=dtype, seed=seed)
     big = BUILD[arch](big_stages=big_stages, max_elements=max_elements, num_classes=num_classes,
-                      device="cpu", dtype=dtype)
+                      device="cpu", dtype=dtype, **options)
     big.load_state_dict(ref.state_dict())
     return big, ref
 
 
-def _compare(arch, big_stages, size, dtype=F64, rtol=1e-9):
-    big, ref = _pair(arch, big_stages, dtype=dtype)
+def _compare(arch, big_stages, size, dtype=F64, rtol=1e-9, **options):
+    big, ref = _pair(arch, big_stages, dtype=dtype, **options)
     torch.manual_seed(1)
     x = torch.randn(size[0], 3, size[1], size[2], dtype=dtype)
     y, r = big(x), ref(x)
@@ -58,6 +58,10 @@ def test_resnet50_matches_dense(big_stages, size):
 @pytest.mark.parametrize("big_stages", [-1, 0, 1, 2, 3, 4])
 def test_resnet_sweep_matches_dense(arch, big_stages, size):
     _compare(arch, big_stages, SIZES[size])
+
+
+def test_resnet18_nchw_host_storage():
+    _compare("resnet18", 4, SIZES["image"], channels_last=False)
 
 
 def test_resnet18_float32():

@@ -94,6 +94,17 @@ def test_cases_and_splits(binary):
     assert all(len(s) == 1 for s in per_case.values())  # a case never straddles splits
     counts = {s: sum(r["split"] == s for r in rows) for s in ("train", "val", "test")}
     assert 0.5 < counts["train"] / len(rows) < 0.7 and counts["val"] > 20 and counts["test"] > 20
+    for split in ("train", "val", "test"):  # stratified by label
+        positives = [int(r["label"]) for r in rows if r["split"] == split]
+        assert 0.4 < np.mean(positives) < 0.6
+
+
+def test_small_demo_reaches_every_split_with_every_class(tmp_path):
+    rows = read_rows(write_demo_data(tmp_path / "small", bags=10, seed=3))
+    for split in ("train", "val", "test"):
+        assert {r["label"] for r in rows if r["split"] == split} == {"0", "1"}
+    with pytest.raises(ValueError, match="need at least 20 bags for 4 classes"):
+        write_demo_data(tmp_path / "tiny", bags=19, classes=4)
 
 
 def test_digit_pools_of_splits_are_disjoint():
@@ -160,12 +171,12 @@ def test_command(tmp_path, capsys):
     sub = parser.add_subparsers(dest="command")
     demo_cmd.add_parser(sub)
     args = parser.parse_args(
-        ["demo-data", str(tmp_path / "x"), "--bags", "16", "--seed", "3", "--classes", "4"]
+        ["demo-data", str(tmp_path / "x"), "--bags", "20", "--seed", "3", "--classes", "4"]
     )
     assert demo_cmd.run(args) == 0
     out = capsys.readouterr().out
-    assert "wrote 16 bags" in out and str(tmp_path / "x" / "manifest.csv") in out
-    assert demo.read_summary(tmp_path / "x")["label_counts"] == {"0": 4, "1": 4, "2": 4, "3": 4}
+    assert "wrote 20 bags" in out and str(tmp_path / "x" / "manifest.csv") in out
+    assert demo.read_summary(tmp_path / "x")["label_counts"] == {"0": 5, "1": 5, "2": 5, "3": 5}
     (tmp_path / "y").mkdir()
     (tmp_path / "y" / "z").write_text("")
     args = parser.parse_args(["demo-data", str(tmp_path / "y")])

@@ -26,6 +26,6 @@ class BagWorker:
         self.state.receive(update)
         return self.state.version
 
-    @ray.method(num_returns=2)
-    def compute(self, update: bytes | None, indices: list[int], step: int, keep_ratio: float):
-        return self.state.compute(update, indices, step, keep_ratio)
+    @ray.method(num_returns=3)
+    def compute(self, update: bytes | None, buffers, indices: list[int], step: int, keep_ratio: float):
+        return self.state.compute(update, buffers, indices, step, keep_ratio)

@@ -3,10 +3,9 @@
 Forward, training (Algorithm 2 of the Big-Layers paper):
 
 * pass 1 stages every strip and computes its per-channel count n_i, mean m_i and sum of squared
-  deviations about the strip mean M2_i (two-pass within the strip, at least float32, M2_i accumulated in
-  float64); the strips are merged in float64 with Chan's parallel form of
-  Welford's update,  delta = m_b - m_a,  n = n_a + n_b,  m = m_a + delta n_b / n,
-  M2 = M2_a + M2_b + delta^2 n_a n_b / n;
+  deviations about the strip mean M2_i (two-pass within the strip, in at least float32); the strips
+  are merged in float64 with Chan's parallel form of Welford's update,
+  delta = m_b - m_a,  n = n_a + n_b,  m = m_a + delta n_b / n,  M2 = M2_a + M2_b + delta^2 n_a n_b / n;
 * the biased variance M2/n normalises, the unbiased M2/(n-1) enters the running variance, and the running
   statistics and ``num_batches_tracked`` are updated exactly once per forward, as ``nn.BatchNorm2d`` does;
 * pass 2 stages every strip again and writes y = x * scale + shift with scale = gamma / sqrt(var + eps),
@@ -82,7 +81,7 @@ class BigBatchNorm2dFunction(torch.autograd.Function):
                     n_i = xs.numel() // c
                     mean_i = xs.sum(dim=_DIMS) / n_i
                     centred = xs - mean_i.view(1, -1, 1, 1)
-                    m2_i = torch.linalg.vector_norm(centred, dim=_DIMS, dtype=torch.float64).square()
+                    m2_i = torch.linalg.vector_norm(centred, dim=_DIMS).to(torch.float64).square()
                     cfg.meter.observe(xs, centred)
                     _merge(acc, n_i, mean_i.to(torch.float64), m2_i)
                 count, mean, m2 = acc

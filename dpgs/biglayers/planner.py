@@ -61,8 +61,9 @@ class Strip:
     """One unit of work: samples ``[n0, n1)``, output rows ``[r0, r1)`` and the input rows they read.
 
     ``lo``/``hi`` are the input rows clipped to the image; ``pad_top``/``pad_bottom`` count the rows of
-    edge padding above and below them. ``full_height`` strips cover every output row, so the layer's own
-    padding can be used instead of explicit rows.
+    edge padding above and below them. ``full_height`` strips hold whole samples (every input and output
+    row), so the layer's own padding is used instead of explicit rows; other strips are row bands of one
+    sample with explicit edge rows.
     """
 
     n0: int
@@ -132,16 +133,17 @@ def plan_strips(
     def strip_elements(samples: int, rows: int) -> int:
         return samples * max(window.in_rows(rows) * in_row_elements, rows * out_row_elements)
 
-    def make(n0: int, n1: int, r0: int, r1: int) -> Strip:
+    def make(n0: int, n1: int, r0: int, r1: int, full_height: bool) -> Strip:
         lo, hi = window.input_span(r0, r1)
         clo, chi = max(lo, 0), min(hi, height)
-        return Strip(n0, n1, r0, r1, clo, chi, clo - lo, hi - chi, r0 == 0 and r1 == out_h)
+        return Strip(n0, n1, r0, r1, clo, chi, clo - lo, hi - chi, full_height)
 
-    per_sample = strip_elements(1, out_h)
+    # a full-height strip holds the whole unpadded input (rows a strided window never reads included)
+    per_sample = max(height * in_row_elements, out_h * out_row_elements)
     if per_sample <= max_elements:
         group = min(batch, max_elements // per_sample)
         chunks = _even_split(batch, -(-batch // group))
-        return [make(n0, n1, 0, out_h) for n0, n1 in chunks]
+        return [make(n0, n1, 0, out_h, True) for n0, n1 in chunks]
 
     one_row = strip_elements(1, 1)
     if one_row > max_elements:
@@ -157,4 +159,4 @@ def plan_strips(
         else:
             hi_r = mid - 1
     bands = _even_split(out_h, -(-out_h // lo_r))
-    return [make(n, n + 1, r0, r1) for n in range(batch) for r0, r1 in bands]
+    return [make(n, n + 1, r0, r1, False) for n in range(batch) for r0, r1 in bands]

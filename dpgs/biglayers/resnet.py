@@ -111,7 +111,7 @@ class BigResNet(nn.Module):
         device: compute device (default: CUDA if available, else CPU).
         zero_init_residual: zero the last BatchNorm weight of every block (as torchvision's option).
         storage_dtype: dtype of host-resident activations (``None``: the input dtype).
-        channels_last: channels-last host activations (default: on CUDA only).
+        channels_last: channels-last host activations (faster strips on CPU and CUDA).
         overlap: double-buffered asynchronous staging on CUDA.
         dtype: parameter dtype (e.g. ``torch.float64`` for exactness checks).
     """
@@ -120,7 +120,7 @@ class BigResNet(nn.Module):
                  big_stages: int = 0,
                  max_elements: int = DEFAULT_MAX_ELEMENTS, num_classes: int = 0, device=None,
                  zero_init_residual: bool = False, storage_dtype: torch.dtype | None = None,
-                 channels_last: bool | None = None, overlap: bool = True, dtype: torch.dtype | None = None):
+                 channels_last: bool = True, overlap: bool = True, dtype: torch.dtype | None = None):
         super().__init__()
         if isinstance(big_stages, bool) or not isinstance(big_stages, int) or not -1 <= big_stages <= 4:
             raise ValueError(
@@ -128,8 +128,6 @@ class BigResNet(nn.Module):
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
             raise ValueError(f"num_classes must be an int >= 0, got {num_classes!r}")
         device = torch.device(device) if device is not None else default_device()
-        if channels_last is None:
-            channels_last = device.type == "cuda"
         self.big_stages = big_stages
         self.num_classes = num_classes
         self.big_config = BigConfig(max_elements, storage_dtype, channels_last, overlap)

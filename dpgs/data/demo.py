@@ -4,17 +4,17 @@ Each instance is one digit image; its 64 features are the pixel intensities scal
 are drawn first (balanced: each class gets ``bags // classes`` bags, the remainder spread over the
 first classes) and each bag is then built to match:
 
-* ``classes=2``: a bag is positive iff it contains at least one 9; positive bags get 1 to 3 nines
-  (never more than the bag length), negative bags none;
+* ``classes=2``: a bag is positive iff it contains at least one 9; positive bags get 1 to 3 nines,
+  negative bags none;
 * ``classes=4``: the label is the number of 9s clipped to 3 (an ordinal grade), grade 3 bags get 3 to
   5 nines.
 
 Bag lengths are heavy-tailed like tile counts of slides: log-normal with median 24 and sigma 1,
 rounded and clipped to [1, 500] (raised to the number of 9s the bag needs). Instances are otherwise
 drawn uniformly from the non-9 digits. Cases (patients) hold one slide, about one in five holds two;
-cases are split 60/20/20 into train/val/test, and the digit images are partitioned the same way
-(stratified by digit), so no image appears in two splits (as Ilse et al. drew train and test bags from
-the MNIST train and test sets).
+cases are split 60/20/20 into train/val/test, stratified by label, and the digit images are
+partitioned the same way (stratified by digit), so no image appears in two splits (as Ilse et al.
+drew train and test bags from the MNIST train and test sets).
 
 Output, written to a temporary directory next to ``out_dir`` and renamed into place at the end::
 
@@ -44,8 +44,10 @@ LENGTH_SIGMA = 1.0
 MAX_LENGTH = 500
 TWO_SLIDE_CASE_FRACTION = 0.2
 SPLIT_FRACTIONS = (("train", 0.6), ("val", 0.2), ("test", 0.2))
+SPLIT_PATTERN = ("train", "val", "test", "train", "train")
 TILE = 256  # spacing of the fake coordinate grid (pixels at level 0)
 MARKER = "demo.json"
+MIN_BAGS_PER_CLASS = 5
 
 
 def digit_images() -> tuple[np.ndarray, np.ndarray]:
@@ -85,16 +87,17 @@ def assign_cases(n_bags: int, rng: np.random.Generator) -> list[int]:
     return cases
 
 
-def split_of_cases(n_cases: int, rng: np.random.Generator) -> list[str]:
-    """train/val/test for every case, 60/20/20 of a random order."""
-    order = rng.permutation(n_cases)
-    out = [""] * n_cases
-    start = 0
-    for k, (name, fraction) in enumerate(SPLIT_FRACTIONS):
-        stop = n_cases if k == len(SPLIT_FRACTIONS) - 1 else start + round(fraction * n_cases)
-        for c in order[start:stop]:
-            out[c] = name
-        start = stop
+def split_of_cases(case_labels: list[int], rng: np.random.Generator) -> list[str]:
+    """train/val/test for every case, stratified by the label of the case's first slide.
+
+    Within each label the cases are shuffled and assigned in the repeating pattern SPLIT_PATTERN
+    (60/20/20; a label with only three cases still reaches every split).
+    """
+    out = [""] * len(case_labels)
+    for label in sorted(set(case_labels)):
+        members = rng.permutation([c for c, y in enumerate(case_labels) if y == label])
+        for k, case in enumerate(members):
+            out[case] = SPLIT_PATTERN[k % len(SPLIT_PATTERN)]
     return out
 
 
@@ -146,7 +149,10 @@ def _write(tmp: Path, bags: int, seed: int, classes: int) -> dict:
     pools = partition_digits(digits, rng)
     labels = balanced_labels(bags, classes, rng)
     cases = assign_cases(bags, rng)
-    case_split = split_of_cases(max(cases) + 1, rng)
+    first_label = {}
+    for b, case in enumerate(cases):
+        first_label.setdefault(case, int(labels[b]))
+    case_split = split_of_cases([first_label[c] for c in range(len(first_label))], rng)
     (tmp / "features").mkdir()
     rows, lengths = [], []
     for b in range(bags):
@@ -187,8 +193,10 @@ def write_demo_data(out_dir: str | Path, bags: int = 200, seed: int = 0, classes
     """
     if classes not in (2, 4):
         raise ValueError(f"classes must be 2 or 4, got {classes}")
-    if bags < 2 * classes:
-        raise ValueError(f"need at least {2 * classes} bags for {classes} classes, got {bags}")
+    if bags < MIN_BAGS_PER_CLASS * classes:
+        raise ValueError(
+            f"need at least {MIN_BAGS_PER_CLASS * classes} bags for {classes} classes, got {bags}"
+        )
     out_dir = Path(out_dir)
     _check_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,6 @@ class DataValidationError(ValueError):
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
-        super().__init__(self._message())
-
-    def _message(self) -> str:
         n = len(self.problems)
         head = f"{n} input problem{'s' if n != 1 else ''} found:"
-        return "\n".join([head, *(f"  - {p}" for p in self.problems)])
-
-    def __str__(self) -> str:
-        return self._message()
+        super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))

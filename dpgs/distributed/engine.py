@@ -88,6 +88,7 @@ class DpgsEngine:
         ]
         ray.get(self.master.load_model_state.remote(model.state_dict()), timeout=self.timeout)
         self.update = self.master.snapshot.remote()
+        self.buffers = self.master.buffers.remote()
 
     # ------------------------------------------------------------------ resume
     def restore(self, checkpoint: dict) -> dict:
@@ -99,6 +100,7 @@ class DpgsEngine:
         self.restarts = int(driver.get("worker_restarts", 0))
         torch.set_rng_state(driver["torch_rng"])
         self.update = self.master.snapshot.remote()
+        self.buffers = self.master.buffers.remote()
         return driver
 
     def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path:
@@ -145,12 +147,12 @@ class DpgsEngine:
         resynced = False
         while pending:
             calls = {
-                rank: self.workers[rank].compute.remote(updates[rank], bags, self.global_step, keep)
+                rank: self.workers[rank].compute.remote(updates[rank], self.buffers, bags, self.global_step, keep)
                 for rank, bags in pending.items()
             }
             if "after_submit" in self.hooks:
                 self.hooks["after_submit"](self, self.global_step)
-            stats_refs = {rank: refs[1] for rank, refs in calls.items()}
+            stats_refs = {rank: refs[2] for rank, refs in calls.items()}
             ray.wait(list(stats_refs.values()), num_returns=len(stats_refs), timeout=self.timeout)
             crashed, stale = [], []
             for rank, ref in stats_refs.items():
@@ -166,7 +168,7 @@ class DpgsEngine:
                 if stats["needs_resync"]:
                     stale.append(rank)
                     continue
-                done[rank] = (calls[rank][0], stats)
+                done[rank] = (calls[rank][0], calls[rank][1], stats)
                 del pending[rank]
             if crashed or stale:
                 resynced = True
@@ -176,13 +178,17 @@ class DpgsEngine:
                 for rank in crashed + stale:
                     updates[rank] = snapshot
         n_bags = len(batch)
-        payload_refs = [ref for ref, stats in done.values() if stats["n_bags"] > 0]
-        update_ref, master_stats_ref = self.master.step.remote(n_bags, *payload_refs)
+        busy = [entry for entry in done.values() if entry[2]["n_bags"] > 0]
+        counts = [entry[2]["n_bags"] for entry in busy]
+        update_ref, buffers_ref, master_stats_ref = self.master.step.remote(
+            n_bags, counts, *[entry[0] for entry in busy], *[entry[1] for entry in busy]
+        )
         master_stats = ray.get(master_stats_ref, timeout=self.timeout)
         down_seconds = emulate_link(master_stats["down_bytes"], self.cfg.emulate_bandwidth_mbps)
         self.update = self.master.snapshot.remote() if resynced else update_ref
+        self.buffers = buffers_ref
         self.global_step += 1
-        worker_stats = [stats for _, stats in done.values()]
+        worker_stats = [entry[2] for entry in done.values()]
         compute = [s.get("compute_seconds", 0.0) for s in worker_stats]
         step_seconds = time.perf_counter() - start
         receivers = len(self.workers)

@@ -20,7 +20,7 @@ import torch
 
 from dpgs.config.schema import CompressionConfig, TrainConfig
 from dpgs.distributed.codec import DeltaEncoder, decode_gradient
-from dpgs.distributed.flat import flat_params, set_flat_grads, trainable
+from dpgs.distributed.flat import flat_buffers, flat_params, load_flat_buffers, set_flat_grads, trainable
 from dpgs.train.optim import build_optimizer, build_scheduler
 
 
@@ -38,11 +38,26 @@ class MasterState:
         """Dense weights at the current version; resets the broadcast residual."""
         return self.delta.snapshot(flat_params(self.model), self.step_count)
 
-    def step(self, n_bags: int, payloads: list[bytes]) -> tuple[bytes, dict]:
-        """Average, step, and return (weight update payload, stats)."""
+    def buffers(self) -> torch.Tensor | None:
+        return flat_buffers(self.model)
+
+    def merge_buffers(self, buffers: list[torch.Tensor | None], counts: list[int]) -> torch.Tensor | None:
+        """Running statistics = bag-count-weighted mean of the workers' (exact when one worker ran)."""
+        pairs = [(b, c) for b, c in zip(buffers, counts, strict=True) if b is not None and c > 0]
+        if not pairs:
+            return self.buffers()
+        merged = sum(b * c for b, c in pairs) / sum(c for _, c in pairs)
+        load_flat_buffers(self.model, merged)
+        return merged
+
+    def step(
+        self, n_bags: int, payloads: list[bytes], buffers: list | None = None, counts: list[int] | None = None
+    ) -> tuple[bytes, torch.Tensor | None, dict]:
+        """Average, step, merge running statistics; return (weight update payload, buffers, stats)."""
         if n_bags < 1:
             raise ValueError("a step needs at least one bag")
         start = time.perf_counter()
+        merged = self.merge_buffers(buffers or [], counts or [])
         total = None
         for payload in payloads:
             g = decode_gradient(payload)
@@ -56,7 +71,7 @@ class MasterState:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         update, enc = self.delta.update(flat_params(self.model), self.step_count)
-        return update, {
+        return update, merged, {
             "step": self.step_count,
             "grad_norm": grad_norm,
             "decode_seconds": decode_seconds,

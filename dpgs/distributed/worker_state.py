@@ -8,7 +8,9 @@ uplink compressor). Per step it
    a dense snapshot,
 2. runs forward and backward over its bags, packed in one pass when the head allows it, and
    back-propagates the **sum** of per-bag losses (the master divides by the step's bag count),
-3. compresses the flat gradient and returns the payload with per-bag losses and timings.
+3. compresses the flat gradient and returns the payload with per-bag losses and timings, plus its
+   floating-point buffers (BatchNorm running statistics) after the step, which the master averages
+   over workers weighted by bag count and sends back with the next update.
 
 The step's dropout randomness is seeded from (seed, step, first bag index), so a step re-run after a
 failure or a resume computes exactly the same gradient.
@@ -22,7 +24,7 @@ import torch
 
 from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.codec import GradientEncoder, VersionMismatch, apply_update
-from dpgs.distributed.flat import flat_grads, flat_params, load_flat_params, trainable
+from dpgs.distributed.flat import flat_buffers, flat_grads, flat_params, load_flat_buffers, load_flat_params, trainable
 from dpgs.train.steps import batch_loss
 
 
@@ -63,18 +65,21 @@ class WorkerState:
         new_flat, self.version = apply_update(flat, self.version, update)
         load_flat_params(self.model, new_flat)
 
-    def compute(self, update: bytes | None, indices: list[int], step: int, keep_ratio: float) -> tuple[bytes, dict]:
-        """Apply ``update`` then return (gradient payload, stats) for the bags ``indices``."""
+    def compute(
+        self, update: bytes | None, buffers: torch.Tensor | None, indices: list[int], step: int, keep_ratio: float
+    ) -> tuple[bytes, torch.Tensor | None, dict]:
+        """Apply ``update`` and ``buffers``, then return (gradient payload, buffers, stats) for ``indices``."""
         start = time.perf_counter()
         if update is not None:
             try:
                 self.receive(update)
             except VersionMismatch as err:
-                return b"", {"rank": self.rank, "needs_resync": True, "reason": str(err)}
+                return b"", None, {"rank": self.rank, "needs_resync": True, "reason": str(err)}
+        load_flat_buffers(self.model, buffers)
         stats: dict = {"rank": self.rank, "needs_resync": False, "version": self.version, "n_bags": len(indices)}
         if not indices:
             stats.update(compute_seconds=0.0, payload_bytes=0, dense_bytes=0, losses=[], slide_ids=[])
-            return b"", stats
+            return b"", None, stats
         load_start = time.perf_counter()
         bags = [self.dataset[i] for i in indices]
         compute_start = time.perf_counter()
@@ -102,7 +107,7 @@ class WorkerState:
             sent=enc["count"],
             total_seconds=time.perf_counter() - start,
         )
-        return payload, stats
+        return payload, flat_buffers(self.model), stats
 
     def n_trainable(self) -> int:
         return sum(p.numel() for p in trainable(self.model))

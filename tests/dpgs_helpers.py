@@ -1,0 +1,52 @@
+"""Builders for the DPGS tests: variable-length feature bags on disk and configs over them."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from dpgs.config import load_config
+from dpgs.data import load_experiment_data
+
+
+def write_bags(root: Path, lengths: list[int], dim: int = 8, seed: int = 0) -> tuple[Path, Path]:
+    """Bags whose label is whether their mean first feature is positive; split train/val/test."""
+    rng = np.random.default_rng(seed)
+    feats_dir = root / "features"
+    feats_dir.mkdir(parents=True)
+    rows = []
+    for i, n in enumerate(lengths):
+        label = i % 2
+        x = rng.standard_normal((n, dim)).astype(np.float32)
+        x[:, 0] += 1.5 if label else -1.5
+        with h5py.File(feats_dir / f"s{i}.h5", "w") as fh:
+            fh.create_dataset("features", data=x)
+        split = "train" if i < 0.7 * len(lengths) else ("val" if i < 0.85 * len(lengths) else "test")
+        rows.append([f"s{i}", label, split])
+    manifest = root / "manifest.csv"
+    with manifest.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["slide_id", "label", "split"])
+        w.writerows(rows)
+    return manifest, feats_dir
+
+
+def make_config(manifest: Path, feats_dir: Path, out: Path, *overrides: str):
+    base = [
+        f"data.manifest={manifest}",
+        f"data.features_dir={feats_dir}",
+        f"train.output_dir={out}",
+        f"tracking.uri=sqlite:///{out.parent / 'mlflow.db'}",
+        "train.scheduler=none",
+        "train.lr=0.01",
+        "data.prefetch=0",
+        "model.params={dropout: 0.0}",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
+def experiment_data(config):
+    return load_experiment_data(config.data, seed=config.seed)
