@@ -20,6 +20,7 @@ class Master:
         self.state = MasterState(model_spec, train_cfg, compression_cfg)
 
     def load_model_state(self, state: dict) -> int:
+        """Start from the driver's initial weights (same initialisation as a single-process run)."""
         self.state.model.load_state_dict(state)
         return self.state.step_count
 
@@ -30,10 +31,11 @@ class Master:
         return self.state.buffers()
 
     @ray.method(num_returns=3)
-    def step(self, n_bags: int, counts: list[int], *payloads_and_buffers):
+    def step(self, n_bags: int, counts: list[int], keep_ratio: float, *payloads_and_buffers):
         """``payloads_and_buffers``: the P' gradient payloads, then the P' workers' buffers."""
         k = len(counts)
-        return self.state.step(n_bags, list(payloads_and_buffers[:k]), list(payloads_and_buffers[k:]), counts)
+        payloads, buffers = list(payloads_and_buffers[:k]), list(payloads_and_buffers[k:])
+        return self.state.step(n_bags, payloads, buffers, counts, keep_ratio)
 
     def end_epoch(self) -> float:
         return self.state.end_epoch()

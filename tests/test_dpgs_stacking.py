@@ -124,7 +124,7 @@ def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tm
         os.kill(ray.get(engine.workers[1].ping.remote()), signal.SIGKILL)
 
     with pytest.raises(WorkerFailure, match="worker 1 failed 1 times.*checkpoint written"):
-        dpgs_params(config, data, [[0, 1, 2, 3]], {"after_submit": kill})
+        dpgs_params(config, data, [[0, 1, 2, 3]], {"before_submit": kill})
     assert (tmp_path / "run" / "checkpoint.pt").is_file()
 
 

@@ -93,6 +93,9 @@ class CompressionConfig(Section):
     dense_min_numel: int = Field(0, ge=0, description="tensors smaller than this are sent dense")
     dense_sync_every: int = Field(100, ge=1)
     downlink: bool = Field(True, description="compress master->worker weight deltas too")
+    wire: Literal["dmgc", "dgc"] = Field(
+        "dmgc", description="dmgc: our codec; dgc: raw int32 indices + values, no entropy coding (baseline)"
+    )
 
 
 class DpgsConfig(Section):

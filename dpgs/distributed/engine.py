@@ -7,9 +7,9 @@ weight update for step s is the input of the workers' step s + 1.
 
 Faults: every call has a timeout (``dpgs.call_timeout_s``). A worker that dies or times out is
 restarted by Ray (``max_restarts``; tasks are never retried automatically, since a retried step could
-apply a gradient twice), resynchronised with a dense snapshot, and only its bags are re-run; the
-master steps once all B bags have a gradient, so every bag counts exactly once. After a resync the
-next update goes to all workers as a dense snapshot, which keeps every replica equal to the master.
+apply a gradient twice), resynchronised with a dense snapshot of exactly what the in-sync workers hold,
+and only its bags are re-run; the master steps once all B bags have a gradient, so every bag counts
+exactly once.
 More than ``dpgs.max_worker_restarts`` restarts of one worker stop the run with a checkpoint.
 """
 
@@ -144,8 +144,9 @@ class DpgsEngine:
         pending = {rank: [batch[p] for p in positions] for rank, positions in enumerate(plan)}
         updates = {rank: self.update for rank in pending}
         done: dict[int, tuple] = {}
-        resynced = False
         while pending:
+            if "before_submit" in self.hooks:
+                self.hooks["before_submit"](self, self.global_step)
             calls = {
                 rank: self.workers[rank].compute.remote(updates[rank], self.buffers, bags, self.global_step, keep)
                 for rank, bags in pending.items()
@@ -171,7 +172,6 @@ class DpgsEngine:
                 done[rank] = (calls[rank][0], calls[rank][1], stats)
                 del pending[rank]
             if crashed or stale:
-                resynced = True
                 snapshot = self.master.snapshot.remote()
                 for rank in crashed:
                     self._await_restart(rank)
@@ -181,11 +181,11 @@ class DpgsEngine:
         busy = [entry for entry in done.values() if entry[2]["n_bags"] > 0]
         counts = [entry[2]["n_bags"] for entry in busy]
         update_ref, buffers_ref, master_stats_ref = self.master.step.remote(
-            n_bags, counts, *[entry[0] for entry in busy], *[entry[1] for entry in busy]
+            n_bags, counts, keep, *[entry[0] for entry in busy], *[entry[1] for entry in busy]
         )
         master_stats = ray.get(master_stats_ref, timeout=self.timeout)
         down_seconds = emulate_link(master_stats["down_bytes"], self.cfg.emulate_bandwidth_mbps)
-        self.update = self.master.snapshot.remote() if resynced else update_ref
+        self.update = update_ref
         self.buffers = buffers_ref
         self.global_step += 1
         worker_stats = [entry[2] for entry in done.values()]
@@ -211,6 +211,7 @@ class DpgsEngine:
         from tqdm.auto import tqdm
 
         steps = []
+        start = time.perf_counter()
         total_epochs = self.config.train.epochs
         for s, batch in enumerate(tqdm(batches, desc=f"epoch {epoch}", leave=False, disable=None)):
             if s < self.skip_steps:
@@ -235,6 +236,7 @@ class DpgsEngine:
         mean = lambda key: sum(s[key] for s in steps) / max(len(steps), 1)
         return {
             "train_loss": sum(s["loss_sum"] for s in steps) / max(n_bags, 1),
+            "train_seconds": time.perf_counter() - start,
             "comm_bytes_up": float(up),
             "comm_bytes_down": float(down),
             "comm_dense_bytes": float(dense),
@@ -243,6 +245,8 @@ class DpgsEngine:
             "step_overhead_seconds": mean("overhead_seconds"),
             "worker_imbalance": mean("imbalance"),
             "worker_restarts": float(self.restarts),
+            "comm_bytes_per_step": (up + down) / max(len(steps), 1),
+            "optimizer_steps": float(len(steps)),
         }
 
     def eval_model(self) -> torch.nn.Module:

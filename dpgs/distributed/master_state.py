@@ -30,13 +30,14 @@ class MasterState:
         self.train_cfg = train
         self.optimizer = build_optimizer(trainable(self.model), train)
         self.scheduler = build_scheduler(self.optimizer, train)
+        self.compression = compression
         self.delta = DeltaEncoder(compression)
         self.step_count = 0
         self.epoch = 0
 
     def snapshot(self) -> bytes:
-        """Dense weights at the current version; resets the broadcast residual."""
-        return self.delta.snapshot(flat_params(self.model), self.step_count)
+        """Dense weights that in-sync workers hold (for a joining or restarted worker)."""
+        return self.delta.snapshot(flat_params(self.model))
 
     def buffers(self) -> torch.Tensor | None:
         return flat_buffers(self.model)
@@ -51,7 +52,12 @@ class MasterState:
         return merged
 
     def step(
-        self, n_bags: int, payloads: list[bytes], buffers: list | None = None, counts: list[int] | None = None
+        self,
+        n_bags: int,
+        payloads: list[bytes],
+        buffers: list | None = None,
+        counts: list[int] | None = None,
+        keep_ratio: float = 1.0,
     ) -> tuple[bytes, torch.Tensor | None, dict]:
         """Average, step, merge running statistics; return (weight update payload, buffers, stats)."""
         if n_bags < 1:
@@ -70,7 +76,7 @@ class MasterState:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        update, enc = self.delta.update(flat_params(self.model), self.step_count)
+        update, enc = self.delta.update(flat_params(self.model), keep_ratio)
         return update, merged, {
             "step": self.step_count,
             "grad_norm": grad_norm,
@@ -98,7 +104,9 @@ class MasterState:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint; the broadcast restarts with a dense snapshot of the restored weights."""
         self.model.load_state_dict(state["model"])
+        self.delta = DeltaEncoder(self.compression)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])

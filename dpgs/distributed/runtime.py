@@ -5,12 +5,14 @@
   ``auto`` or ``host:port``: join an existing cluster, with a clear error when there is none.
 * Workers get one placement-group bundle each, so the run starts only when all of them fit; when
   they cannot, the error names the request and what the cluster has instead of hanging.
-* On one machine, P virtual nodes share its CPUs (``cpus_per_worker`` = CPUs / P) and GPU
-  (``gpus_per_worker`` = 1 / P of a GPU); torch threads per worker are floor(CPUs / P), at least 1.
+* On one machine, P virtual nodes share its CPUs (``cpus_per_worker`` = CPUs / P, so that the workers
+  pack evenly onto the nodes) and GPU (``gpus_per_worker`` = 1 / P of a GPU); torch threads per worker are
+  floor(cpus_per_worker), at least 1, so the workers together do not oversubscribe the cores.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -69,13 +71,15 @@ def worker_resources(cfg: DpgsConfig, train_device: str) -> WorkerResources:
     resources = ray.cluster_resources()
     total_cpus = float(resources.get("CPU", 1.0))
     total_gpus = float(resources.get("GPU", 0.0))
-    cpus = cfg.cpus_per_worker or max(total_cpus / cfg.workers, 0.01)
+    node_cpus = [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n["Alive"]] or [1.0]
+    per_node = math.ceil(cfg.workers / len(node_cpus))  # workers spread evenly over the nodes
+    cpus = cfg.cpus_per_worker or max(min(total_cpus / cfg.workers, min(node_cpus) / per_node), 0.01)
     use_gpu = train_device != "cpu" and total_gpus > 0
     if cfg.gpus_per_worker is not None:
         gpus = cfg.gpus_per_worker
     else:
         gpus = min(1.0, total_gpus / cfg.workers) if use_gpu else 0.0
-    threads = max(1, int(total_cpus // cfg.workers) if cfg.cpus_per_worker is None else int(cpus))
+    threads = max(1, int(cpus))
     return WorkerResources(cpus=cpus, gpus=gpus, threads=threads, device="cuda" if gpus > 0 else "cpu")
 
 

@@ -55,7 +55,7 @@ class WorkerState:
         self.dataset = dataset
         self.class_weights = None if class_weights is None else class_weights.to(self.device)
         self.seed = seed
-        self.version = -1  # no weights received yet
+        self.version: int | None = None  # no weights received yet
         self.encoder = GradientEncoder(compression, self.model)
         self.mbps = emulate_bandwidth_mbps
 

@@ -73,7 +73,7 @@ class LocalEngine:
         self.pending += 1
         if self.pending == self.cfg.accumulation_steps:
             self._apply()
-        return float(out["loss"]) * len(bags), len(bags)
+        return float(out["loss"].detach()) * len(bags), len(bags)
 
     def run_epoch(self, batches: list[list[int]], epoch: int, history: list[dict] | None = None) -> dict:
         """Train on every batch of bag indices (loaded ahead in a background thread).
@@ -81,7 +81,7 @@ class LocalEngine:
         Returns ``train_loss`` (mean per bag) and ``train_seconds``.
         """
         self.model.train()
-        total, count = 0.0, 0
+        total, count, steps_before = 0.0, 0, self.steps
         start = time.perf_counter()
         loaded = Prefetcher(self.dataset, batches, depth=self.prefetch)
         for bags in tqdm(loaded, total=len(batches), desc=f"epoch {epoch}", leave=False, disable=None):
@@ -91,7 +91,11 @@ class LocalEngine:
         self._apply()
         if self.scheduler is not None:
             self.scheduler.step()
-        return {"train_loss": total / max(count, 1), "train_seconds": time.perf_counter() - start}
+        return {
+            "train_loss": total / max(count, 1),
+            "train_seconds": time.perf_counter() - start,
+            "optimizer_steps": float(self.steps - steps_before),
+        }
 
     def eval_model(self) -> torch.nn.Module:
         return self.model
