@@ -22,6 +22,11 @@ class BagWorker:
         """The worker's process id (used to detect restarts, and by fault-injection tests)."""
         return os.getpid()
 
+    def where(self) -> dict:
+        """Node id, process id and device of this worker (printed at start-up)."""
+        ctx = ray.get_runtime_context()
+        return {"node": ctx.get_node_id(), "pid": os.getpid(), "device": str(self.state.device)}
+
     def receive(self, update: bytes) -> int:
         self.state.receive(update)
         return self.state.version

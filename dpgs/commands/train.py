@@ -45,6 +45,14 @@ def run(args) -> int:
     except (ConfigError, DataValidationError, FileNotFoundError, ValueError) as err:
         print(f"dpgs train: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from dpgs.distributed.engine import WorkerFailure
+        from dpgs.distributed.runtime import ClusterError
+
+        if not isinstance(err, ClusterError | WorkerFailure):
+            raise
+        print(f"dpgs train: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ClusterError) else 3
     print("\nfinal metrics:")
     for key, value in sorted(result.summary.items()):
         print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value}")

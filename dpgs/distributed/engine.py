@@ -86,6 +86,12 @@ class DpgsEngine:
             )
             for rank in range(self.cfg.workers)
         ]
+        for rank, info in enumerate(ray.get([w.where.remote() for w in self.workers], timeout=self.timeout)):
+            print(
+                f"[dpgs] worker {rank}: node={info['node'][:12]} pid={info['pid']} device={info['device']} "
+                f"cpus={res.cpus:g} gpus={res.gpus:g} threads={res.threads}",
+                flush=True,
+            )
         ray.get(self.master.load_model_state.remote(model.state_dict()), timeout=self.timeout)
         self.update = self.master.snapshot.remote()
         self.buffers = self.master.buffers.remote()

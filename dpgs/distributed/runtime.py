@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -36,11 +38,36 @@ def _default_object_store_bytes() -> int:
     return int(min(total * 0.2, 8 << 30))
 
 
+def _cluster_address(address: str) -> str | None:
+    """``host:port`` of the cluster to join (``auto``: $RAY_ADDRESS, then Ray's current-cluster file)."""
+    if address != "auto":
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    current = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    return current.read_text().strip() if current.is_file() else None
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast (instead of Ray's long reconnect loop) when nothing listens at the cluster address."""
+    target = _cluster_address(address)
+    hint = "Start one with `ray start --head` or `ray up configs/cluster.yaml`, or unset dpgs.address."
+    if not target:
+        raise ClusterError(f"dpgs.address={address}: no Ray cluster found (no RAY_ADDRESS, no running cluster). {hint}")
+    host, _, port = target.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as err:
+        raise ClusterError(f"dpgs.address={address}: no Ray cluster found at {target} ({err}). {hint}") from None
+
+
 def connect(cfg: DpgsConfig) -> None:
     """Start or join Ray (no-op when this process is already connected)."""
     if ray.is_initialized():
         return
     if cfg.address:
+        _probe(cfg.address)
         try:
             ray.init(address=cfg.address, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as err:
