@@ -8,7 +8,7 @@ import sys
 
 from dpgs import __version__
 
-COMMANDS = ("train", "eval", "demo_data")
+COMMANDS = ("train", "eval", "demo_data", "compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

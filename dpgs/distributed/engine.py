@@ -29,7 +29,6 @@ from dpgs.config import Config
 from dpgs.distributed.assignment import assign_lpt, imbalance
 from dpgs.distributed.codec import keep_ratio_at
 from dpgs.distributed.runtime import connect, release, reserve, worker_resources
-from dpgs.distributed.worker_state import emulate_link
 from dpgs.modeling import ModelSpec
 from master import Master
 from workers import BagWorker
@@ -189,8 +188,6 @@ class DpgsEngine:
         update_ref, buffers_ref, master_stats_ref = self.master.step.remote(
             n_bags, counts, keep, *[entry[0] for entry in busy], *[entry[1] for entry in busy]
         )
-        master_stats = ray.get(master_stats_ref, timeout=self.timeout)
-        down_seconds = emulate_link(master_stats["down_bytes"], self.cfg.emulate_bandwidth_mbps)
         self.update = update_ref
         self.buffers = buffers_ref
         self.global_step += 1
@@ -203,12 +200,12 @@ class DpgsEngine:
             "n_bags": n_bags,
             "up_bytes": sum(s["payload_bytes"] for s in worker_stats),
             "up_dense": sum(s["dense_bytes"] for s in worker_stats),
-            "down_bytes": master_stats["down_bytes"] * receivers,
-            "down_dense": master_stats["down_dense_bytes"] * receivers,
+            "master_stats": master_stats_ref,  # resolved at epoch end: the driver never waits on the master
+            "receivers": receivers,
             "step_seconds": step_seconds,
             "overhead_seconds": step_seconds - max(compute, default=0.0),
             "imbalance": imbalance(compute),
-            "link_seconds": down_seconds + max((s.get("link_seconds", 0.0) for s in worker_stats), default=0.0),
+            "link_seconds": max((s.get("link_seconds", 0.0) for s in worker_stats), default=0.0),
         }
 
     # ------------------------------------------------------------------ epochs
@@ -235,6 +232,10 @@ class DpgsEngine:
                 self.checkpoint(epoch, s + 1, history or [])
         self.skip_steps = 0
         ray.get(self.master.end_epoch.remote(), timeout=self.timeout)
+        for step, master_stats in zip(steps, ray.get([s["master_stats"] for s in steps], timeout=self.timeout),
+                                      strict=True):
+            step["down_bytes"] = master_stats["down_bytes"] * step["receivers"]
+            step["down_dense"] = master_stats["down_dense_bytes"] * step["receivers"]
         n_bags = sum(s["n_bags"] for s in steps)
         up = sum(s["up_bytes"] for s in steps)
         down = sum(s["down_bytes"] for s in steps)

@@ -70,7 +70,9 @@ class WorkerState:
     ) -> tuple[bytes, torch.Tensor | None, dict]:
         """Apply ``update`` and ``buffers``, then return (gradient payload, buffers, stats) for ``indices``."""
         start = time.perf_counter()
+        down_link_seconds = 0.0
         if update is not None:
+            down_link_seconds = emulate_link(len(update), self.mbps)  # the master's update reaching us
             try:
                 self.receive(update)
             except VersionMismatch as err:
@@ -101,7 +103,7 @@ class WorkerState:
             load_seconds=compute_start - load_start,
             compute_seconds=compute_seconds,
             encode_seconds=enc["encode_seconds"],
-            link_seconds=link_seconds,
+            link_seconds=link_seconds + down_link_seconds,
             payload_bytes=len(payload),
             dense_bytes=enc["dense_bytes"],
             sent=enc["count"],
