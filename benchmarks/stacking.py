@@ -42,7 +42,8 @@ def main(argv=None) -> int:
             (
                 f"dpgs P=2 keep {keep:.1%}",
                 ["train.mode=dpgs", "dpgs.workers=2", batch_lr, f"dpgs.compression.keep_ratio={keep}",
-                 f"dpgs.compression.value_dtype={dtype}", "dpgs.compression.dense_min_numel=1024"],
+                 f"dpgs.compression.value_dtype={dtype}", "dpgs.compression.dense_min_numel=1024",
+                 f"dpgs.compression.warmup_epochs={0 if keep == 1.0 else 2}"],
             )
         )
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,7 @@ For every top-level run (k-fold parents are summarised over their nested fold ru
 mean ± std) the table holds: mode, model, B, workers, keep ratio, best value of the metric, epoch at
 best, time to best (``elapsed_seconds`` at that epoch), time to target (first epoch whose metric
 reaches ``--target``; for metrics named ``*loss`` "reaches" means <=), bytes per step and compression
-ratio (DPGS runs). Outputs: printed table, ``comparison.csv``, ``comparison.md`` and
+ratio (DPGS runs), final test AUC and accuracy. Outputs: printed table, ``comparison.csv``, ``comparison.md`` and
 ``metric_vs_time.png``, also logged as artifacts of a new run tagged ``dpgs.kind=comparison`` (such runs
 are skipped by later comparisons).
 """
@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 COLUMNS = ["run", "mode", "model", "B", "workers", "keep", "best", "epoch_at_best", "time_to_best_s",
-           "time_to_target_s", "bytes_per_step", "compression_ratio"]
+           "time_to_target_s", "test_auc", "test_acc", "bytes_per_step", "compression_ratio"]
 
 
 class CompareError(ValueError):
@@ -108,6 +108,11 @@ def compare(tracking_uri: str, experiment: str, metric: str = "val_auc", target:
                 row[key + "_std"] = float(np.nanstd(values)) if np.isfinite(values).any() else math.nan
         row["bytes_per_step"] = float(np.nanmean([c[0] for c in comm])) if any(np.isfinite(c[0]) for c in comm) else math.nan
         row["compression_ratio"] = float(np.nanmean([c[1] for c in comm])) if any(np.isfinite(c[1]) for c in comm) else math.nan
+        for key in ("test_auc", "test_acc"):
+            values = [m.data.metrics.get(key, math.nan) for m in members]
+            row[key] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
+            if children:
+                row[key + "_std"] = float(np.nanstd(values)) if np.isfinite(values).any() else math.nan
         row["folds"] = len(children)
         row["curves"] = [_curve(client, m.info.run_id, metric) for m in members]
         rows.append(row)

@@ -144,15 +144,15 @@ class Slide:
         lw, lh = self.level_dimensions[level]
         factor = max(1, min(lw // tw, lh // th))
         rows = max(factor, (_BLOCK_PIXELS // max(lw, 1)) // factor * factor)
+        usable_w, usable_h = lw // factor * factor, lh // factor * factor
         ds = self.level_downsamples[level]
         parts = []
-        for y in range(0, lh - lh % factor if lh >= factor else lh, rows):
-            hh = min(rows, lh - y) // factor * factor
-            if hh == 0:
-                break
-            block = self.read_region((0, round(y * ds)), level, (lw // factor * factor, hh))
+        for y in range(0, usable_h, rows):
+            hh = min(rows, usable_h - y)
+            # ceil keeps int(y0 / ds) == y for non-integer downsamples
+            block = self.read_region((0, math.ceil(y * ds)), level, (usable_w, hh))
             if factor > 1:
-                b = block.reshape(hh // factor, factor, lw // factor, factor, 3).astype(np.float32)
+                b = block.reshape(hh // factor, factor, usable_w // factor, factor, 3).astype(np.float32)
                 block = np.rint(b.mean(axis=(1, 3))).astype(np.uint8)
             parts.append(block)
         reduced = np.concatenate(parts, axis=0)

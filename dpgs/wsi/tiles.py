@@ -1,0 +1,272 @@
+"""Tile bags read on the fly from slides by their coords.
+
+:class:`TileLayout` says how to read a coords file's tiles: from ``patch_level``, ``read_size`` pixels
+per side, resized to ``patch_size``. dpgs files carry ``read_size``; CLAM files (no resize) read
+``patch_size`` pixels at ``patch_level``; TRIDENT files (``patch_size_level0``, no level) read from the
+deepest level whose downsample is ``<= patch_size_level0 / patch_size``.
+
+:class:`TileReader` reads tiles of one slide with a thread pool into uint8 [n, s, s, 3] (resizing with
+PIL's antialiased bilinear filter when the read size differs from ``s``).
+
+:class:`TileBagDataset` returns a :class:`TileBag` per slide: ``tiles_per_bag`` tiles sampled without
+replacement (all tiles when the slide has fewer, or when ``tiles_per_bag`` is None), in coords order,
+from ``numpy.random.default_rng([seed, epoch, index])``; then, when an augmentation is given, one
+parameter set drawn from a ``torch.Generator`` seeded with the same triple and applied to all tiles;
+then ImageNet normalisation. ``iterate_bags`` reads the next bag in a background thread while the
+caller computes on the current one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpgs.wsi.augment import BagAugment, imagenet_normalize, to_float_tiles
+from dpgs.wsi.reader import Slide, open_slide
+from dpgs.wsi.tiling import SLIDE_EXTENSIONS, read_coords_h5
+
+_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Coords [N, 2] (level-0 top-left) and how to read them; ``patch_level`` None = choose per slide."""
+
+    coords: np.ndarray
+    patch_size: int
+    patch_level: int | None
+    read_size: int | None
+    patch_size_level0: int | None
+
+    @classmethod
+    def from_h5(cls, path: str | Path) -> TileLayout:
+        coords, attrs = read_coords_h5(path)
+        level = attrs.get("patch_level")
+        size0 = attrs.get("patch_size_level0")
+        read = attrs.get("read_size")
+        if read is None and level is not None and size0 is None:
+            read = attrs["patch_size"]  # CLAM: patch_size pixels of patch_level
+        return cls(
+            coords=coords,
+            patch_size=int(attrs["patch_size"]),
+            patch_level=None if level is None else int(level),
+            read_size=None if read is None else int(read),
+            patch_size_level0=None if size0 is None else int(size0),
+        )
+
+    def resolve(self, slide: Slide) -> tuple[int, int]:
+        """(level, read size) on ``slide``."""
+        if self.patch_level is not None and self.read_size is not None:
+            if self.patch_level >= slide.level_count:
+                raise ValueError(f"{slide.path}: tiles are at level {self.patch_level}, slide has {slide.level_count}")
+            return self.patch_level, self.read_size
+        d = self.patch_size_level0 / self.patch_size
+        if self.patch_level is not None:
+            level = self.patch_level
+        else:
+            level = max(i for i, ds in enumerate(slide.level_downsamples) if ds <= d * (1 + _TOL) or i == 0)
+        return level, max(1, round(self.patch_size_level0 / slide.level_downsamples[level]))
+
+    def __len__(self) -> int:
+        return len(self.coords)
+
+
+class TileReader:
+    """Reads tiles of one slide in parallel; use as a context manager (closes slide and threads)."""
+
+    def __init__(
+        self,
+        slide_path: str | Path,
+        layout: TileLayout,
+        out_size: int | None = None,
+        threads: int = 4,
+        backend: str = "auto",
+    ):
+        self.slide = open_slide(slide_path, backend)
+        self.layout = layout
+        self.out_size = int(out_size or layout.patch_size)
+        self.level, self.read_size = layout.resolve(self.slide)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dpgs-tiles")
+
+    def read_one(self, index: int) -> np.ndarray:
+        """uint8 [s, s, 3] of tile ``index``."""
+        from PIL import Image
+
+        x, y = self.layout.coords[index]
+        tile = self.slide.read_region((int(x), int(y)), self.level, (self.read_size, self.read_size))
+        if self.read_size != self.out_size:
+            img = Image.fromarray(tile).resize((self.out_size, self.out_size), Image.Resampling.BILINEAR)
+            tile = np.asarray(img)
+        return tile
+
+    def read(self, indices: Sequence[int] | None = None) -> np.ndarray:
+        """uint8 [n, s, s, 3] of the tiles ``indices`` (all when None), in that order."""
+        idx = range(len(self.layout)) if indices is None else [int(i) for i in indices]
+        out = np.empty((len(idx), self.out_size, self.out_size, 3), dtype=np.uint8)
+
+        def fill(k_i):
+            k, i = k_i
+            out[k] = self.read_one(i)
+
+        list(self._pool.map(fill, enumerate(idx)))
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.slide.close()
+
+    def __enter__(self) -> TileReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def sample_indices(n: int, k: int | None, seed: int, epoch: int, index: int) -> np.ndarray:
+    """Sorted ``min(k, n)`` distinct indices of ``range(n)`` from ``default_rng([seed, epoch, index])``."""
+    if k is None or n <= k:
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng([seed, epoch, index])
+    return np.sort(rng.choice(n, size=k, replace=False)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class TileBagItem:
+    """One slide of a tile-bag dataset."""
+
+    slide_id: str
+    slide_path: Path
+    coords_path: Path
+    label: int
+
+
+@dataclass
+class TileBag:
+    """``tiles``: float32 [N, 3, s, s] (normalised unless asked otherwise) or uint8 [N, s, s, 3]."""
+
+    slide_id: str
+    tiles: torch.Tensor | np.ndarray
+    label: int
+    coords: np.ndarray
+    indices: np.ndarray
+
+
+def locate_slide(slides_dir: str | Path, slide_id: str) -> Path | None:
+    """``slides_dir/{slide_id}{ext}`` for the first existing slide extension (any case), or None."""
+    root = Path(slides_dir)
+    for ext in SLIDE_EXTENSIONS:
+        for candidate in (root / f"{slide_id}{ext}", root / f"{slide_id}{ext.upper()}"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def locate_coords(tiles_dir: str | Path, slide_id: str) -> Path | None:
+    """``tiles_dir/patches/{slide_id}.h5`` (dpgs, CLAM) or ``tiles_dir/{slide_id}.h5``, or None."""
+    for candidate in (Path(tiles_dir) / "patches" / f"{slide_id}.h5", Path(tiles_dir) / f"{slide_id}.h5"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+class TileBagDataset:
+    """Bags of tiles read from slides; ``dataset[i]`` uses the current epoch (:meth:`set_epoch`)."""
+
+    def __init__(
+        self,
+        items: Sequence[TileBagItem],
+        tiles_per_bag: int | None = 256,
+        tile_size: int | None = None,
+        seed: int = 0,
+        augment: BagAugment | None = None,
+        normalize: bool = True,
+        threads: int = 4,
+        backend: str = "auto",
+    ):
+        if tiles_per_bag is not None and tiles_per_bag < 1:
+            raise ValueError(f"tiles_per_bag must be >= 1, got {tiles_per_bag}")
+        self.items = list(items)
+        self.tiles_per_bag = tiles_per_bag
+        self.tile_size = tile_size
+        self.seed = seed
+        self.augment = augment
+        self.normalize = normalize
+        self.threads = threads
+        self.backend = backend
+        self.epoch = 0
+        self._layouts: dict[int, TileLayout] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_records(cls, records, slides_dir: str | Path, tiles_dir: str | Path, **kwargs) -> TileBagDataset:
+        """Items for records with ``slide_id`` and ``label``; every missing file is listed in one error."""
+        from dpgs.data.errors import DataValidationError
+
+        items, problems = [], []
+        for r in records:
+            slide = locate_slide(slides_dir, r.slide_id)
+            coords = locate_coords(tiles_dir, r.slide_id)
+            if slide is None:
+                problems.append(f"slide '{r.slide_id}': no slide file {r.slide_id}.<svs|tif|...> in {slides_dir}")
+            if coords is None:
+                problems.append(
+                    f"slide '{r.slide_id}': no coords file {r.slide_id}.h5 in {tiles_dir}/patches or {tiles_dir} "
+                    "(run `dpgs tile`)"
+                )
+            if slide is not None and coords is not None:
+                items.append(TileBagItem(r.slide_id, slide, coords, int(r.label)))
+        if problems:
+            raise DataValidationError(problems)
+        return cls(items, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def layout(self, i: int) -> TileLayout:
+        with self._lock:
+            if i not in self._layouts:
+                self._layouts[i] = TileLayout.from_h5(self.items[i].coords_path)
+            return self._layouts[i]
+
+    def lengths(self) -> list[int]:
+        """Number of tiles of every slide (all tiles, before sampling)."""
+        return [len(self.layout(i)) for i in range(len(self))]
+
+    def read(self, i: int, indices: np.ndarray | None = None, generator_key: int | None = None) -> TileBag:
+        """Bag ``i`` with the tiles ``indices`` (all when None); augmentation seeded by (seed, key, i)."""
+        item, layout = self.items[i], self.layout(i)
+        idx = np.arange(len(layout), dtype=np.int64) if indices is None else np.asarray(indices, np.int64)
+        with TileReader(item.slide_path, layout, self.tile_size, self.threads, self.backend) as reader:
+            raw = reader.read(idx)
+        coords = layout.coords[idx]
+        if not self.normalize and self.augment is None:
+            return TileBag(item.slide_id, raw, item.label, coords, idx)
+        x = to_float_tiles(raw)
+        if self.augment is not None and len(idx) > 0:
+            key = self.epoch if generator_key is None else generator_key
+            gen = torch.Generator().manual_seed(int(np.random.default_rng([self.seed, key, i]).integers(2**62)))
+            x, _ = self.augment(x, gen)
+        if self.normalize:
+            x = imagenet_normalize(x)
+        return TileBag(item.slide_id, x, item.label, coords, idx)
+
+    def __getitem__(self, i: int) -> TileBag:
+        idx = sample_indices(len(self.layout(i)), self.tiles_per_bag, self.seed, self.epoch, i)
+        return self.read(i, idx)
+
+
+def iterate_bags(dataset: TileBagDataset, order: Sequence[int], prefetch: int = 1) -> Iterator[TileBag]:
+    """``dataset[i]`` for ``i`` in ``order``, reading up to ``prefetch`` bags ahead in a background thread."""
+    from dpgs.data.prefetch import Prefetcher
+
+    for batch in Prefetcher(dataset, [[i] for i in order], depth=prefetch):
+        yield batch[0]
