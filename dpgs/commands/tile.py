@@ -26,7 +26,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--magnification", type=float, default=None, help="tile at this magnification, e.g. 20 (default 20)"
     )
     where.add_argument("--level", type=int, default=None, help="tile at this pyramid level instead")
-    p.add_argument("--tissue", choices=("grey", "otsu"), default="grey", help="tissue detection (default grey)")
+    p.add_argument(
+        "--tissue", choices=("grey", "otsu"), default="grey", help="tissue detection (default grey)"
+    )
     p.add_argument(
         "--min-tissue", type=float, default=0.6, help="keep tiles with at least this tissue fraction (0.6)"
     )
@@ -65,8 +67,8 @@ def run(args) -> int:
     c = report.counts
     total = sum(o.tiles for o in report.outcomes if o.status != "failed")
     print(
-        f"{len(report.outcomes)} slides: {c['tiled']} tiled, {c['skipped']} already done, {c['failed']} failed; "
-        f"{total} tiles"
+        f"{len(report.outcomes)} slides: {c['tiled']} tiled, {c['skipped']} already done, "
+        f"{c['failed']} failed; {total} tiles"
     )
     for o in report.failed:
         print(f"  FAILED {o.slide_id}: {o.error}")

@@ -19,7 +19,7 @@ the shapes alone, no plan is ever communicated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from dpgs.biglayers.planner import RowWindow, _even_split
@@ -96,7 +96,7 @@ class Partition:
     grid: Grid
     height: int
     width: int
-    what: str = "activation"
+    what: str = field(default="activation", compare=False)
 
     def __post_init__(self) -> None:
         if self.height < self.grid.rows or self.width < self.grid.cols:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,15 +34,15 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 COLOR_MODES = ("hed", "hsv", "none")
 OD_EPS = 1e-6
 
-_RUIFROK = torch.tensor(
-    [[0.65, 0.70, 0.29], [0.07, 0.99, 0.11], [0.27, 0.57, 0.78]], dtype=torch.float64
-)
+_RUIFROK = torch.tensor([[0.65, 0.70, 0.29], [0.07, 0.99, 0.11], [0.27, 0.57, 0.78]], dtype=torch.float64)
 RGB_FROM_HED = _RUIFROK / _RUIFROK.norm(dim=1, keepdim=True)
 HED_FROM_RGB = torch.linalg.inv(RGB_FROM_HED)
 
 
 def to_float_tiles(tiles) -> torch.Tensor:
     """uint8 [N, h, w, 3] (numpy or torch) -> float32 [N, 3, h, w] in [0, 1]."""
+    if isinstance(tiles, np.ndarray) and not tiles.flags.writeable:
+        tiles = tiles.copy()  # torch does not wrap read-only arrays
     t = torch.as_tensor(tiles)
     if t.dtype != torch.uint8 or t.ndim != 4 or t.shape[-1] != 3:
         raise ValueError(f"expected uint8 tiles [N, h, w, 3], got {t.dtype} {tuple(t.shape)}")
@@ -79,7 +80,9 @@ def rgb_to_hsv(rgb: torch.Tensor) -> torch.Tensor:
     delta = mx - mn
     safe = torch.where(delta > 0, delta, torch.ones_like(delta))
     hue = torch.where(
-        argmax == 0, ((g - b) / safe) % 6.0, torch.where(argmax == 1, (b - r) / safe + 2.0, (r - g) / safe + 4.0)
+        argmax == 0,
+        ((g - b) / safe) % 6.0,
+        torch.where(argmax == 1, (b - r) / safe + 2.0, (r - g) / safe + 4.0),
     )
     hue = torch.where(delta > 0, hue / 6.0, torch.zeros_like(hue)) % 1.0
     sat = torch.where(mx > 0, delta / torch.where(mx > 0, mx, torch.ones_like(mx)), torch.zeros_like(mx))

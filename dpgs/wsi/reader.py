@@ -102,7 +102,9 @@ class Slide:
 
     def _check_level(self, level: int) -> None:
         if not 0 <= level < self.level_count:
-            raise SlideReadError(self.path, f"level {level} does not exist (levels 0..{self.level_count - 1})")
+            raise SlideReadError(
+                self.path, f"level {level} does not exist (levels 0..{self.level_count - 1})"
+            )
 
     def read_region(self, xy: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
         """uint8 RGB [h, w, 3] of the region whose top-left is level-0 ``xy``, ``size=(w, h)`` at ``level``.
@@ -220,7 +222,9 @@ class OpenSlideSlide(Slide):
             downs = self._slide.level_downsamples
         except Exception as err:
             raise SlideReadError(path, f"openslide: {type(err).__name__}: {err}") from err
-        mpps = [_to_float(props.get(k)) for k in (openslide.PROPERTY_NAME_MPP_X, openslide.PROPERTY_NAME_MPP_Y)]
+        mpps = [
+            _to_float(props.get(k)) for k in (openslide.PROPERTY_NAME_MPP_X, openslide.PROPERTY_NAME_MPP_Y)
+        ]
         mpp = float(np.mean(mpps)) if all(m is not None for m in mpps) else None
         power = props.get(openslide.PROPERTY_NAME_OBJECTIVE_POWER)
         super().__init__(path, dims, downs, power, mpp)

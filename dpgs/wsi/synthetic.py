@@ -73,7 +73,9 @@ def write_pyramid_tiff(
             )
             tw.write(pyramid[0], description=desc, **tiled)
             step = max(1, max(h, w) // 256)
-            tw.write(np.ascontiguousarray(pyramid[0][::step, ::step]), description="Aperio thumbnail", **common)
+            tw.write(
+                np.ascontiguousarray(pyramid[0][::step, ::step]), description="Aperio thumbnail", **common
+            )
             for level in pyramid[1:]:
                 tw.write(level, description="Aperio level", **tiled)
         else:
@@ -109,7 +111,9 @@ def _ellipses(rng, yy, xx, n, centres, radius_range, wobble) -> np.ndarray:
     return mask
 
 
-def render_slide(height: int, width: int, positive: bool, rng: np.random.Generator) -> tuple[np.ndarray, dict]:
+def render_slide(
+    height: int, width: int, positive: bool, rng: np.random.Generator
+) -> tuple[np.ndarray, dict]:
     """uint8 RGB [height, width, 3] H&E-like image and its tissue / tumour masks."""
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
     wobble = 0.6 * (smooth_noise(rng, height, width, 48) - 0.5)
@@ -178,7 +182,9 @@ def write_synthetic_slides(
         raise ValueError(f"n_slides must be >= 2 (one per class), got {n_slides}")
     width, height = (int(v) for v in size)
     if min(width, height) < 64 << (levels - 1):
-        raise ValueError(f"size {width}x{height} is too small for {levels} levels (min side {64 << (levels - 1)})")
+        raise ValueError(
+            f"size {width}x{height} is too small for {levels} levels (min side {64 << (levels - 1)})"
+        )
     out_dir = Path(out_dir)
     _check_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -231,3 +237,8 @@ def write_synthetic_slides(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir / "manifest.csv"
+
+
+def read_summary(out_dir: str | Path) -> dict:
+    """The parameters and per-slide fractions recorded in ``demo_slides.json``."""
+    return json.loads((Path(out_dir) / MARKER).read_text())

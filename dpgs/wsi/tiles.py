@@ -18,6 +18,7 @@ caller computes on the current one.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,8 @@ from dpgs.wsi.reader import Slide, open_slide
 from dpgs.wsi.tiling import SLIDE_EXTENSIONS, read_coords_h5
 
 _TOL = 1e-3
+DENSE_FACTOR = 4
+MAX_REGION_PIXELS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ class TileLayout:
         """(level, read size) on ``slide``."""
         if self.patch_level is not None and self.read_size is not None:
             if self.patch_level >= slide.level_count:
-                raise ValueError(f"{slide.path}: tiles are at level {self.patch_level}, slide has {slide.level_count}")
+                raise ValueError(
+                    f"{slide.path}: tiles are at level {self.patch_level}, slide has {slide.level_count}"
+                )
             return self.patch_level, self.read_size
         d = self.patch_size_level0 / self.patch_size
         if self.patch_level is not None:
@@ -94,27 +99,51 @@ class TileReader:
         self.level, self.read_size = layout.resolve(self.slide)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="dpgs-tiles")
 
-    def read_one(self, index: int) -> np.ndarray:
-        """uint8 [s, s, 3] of tile ``index``."""
+    def _resize(self, tile: np.ndarray) -> np.ndarray:
         from PIL import Image
 
+        if self.read_size == self.out_size:
+            return tile
+        img = Image.fromarray(tile).resize((self.out_size, self.out_size), Image.Resampling.BILINEAR)
+        return np.asarray(img)
+
+    def read_one(self, index: int) -> np.ndarray:
+        """uint8 [s, s, 3] of tile ``index``."""
         x, y = self.layout.coords[index]
-        tile = self.slide.read_region((int(x), int(y)), self.level, (self.read_size, self.read_size))
-        if self.read_size != self.out_size:
-            img = Image.fromarray(tile).resize((self.out_size, self.out_size), Image.Resampling.BILINEAR)
-            tile = np.asarray(img)
-        return tile
+        return self._resize(
+            self.slide.read_region((int(x), int(y)), self.level, (self.read_size, self.read_size))
+        )
 
     def read(self, indices: Sequence[int] | None = None) -> np.ndarray:
-        """uint8 [n, s, s, 3] of the tiles ``indices`` (all when None), in that order."""
-        idx = range(len(self.layout)) if indices is None else [int(i) for i in indices]
+        """uint8 [n, s, s, 3] of the tiles ``indices`` (all when None), in that order.
+
+        When the tiles cover at least ``1 / DENSE_FACTOR`` of their bounding box at the patch level
+        and the box holds at most ``MAX_REGION_PIXELS``, the box is read once and sliced (tile ``(x, y)``
+        sits at level pixel ``floor(x / downsample)``, the backends' rule); else the tiles are read
+        one by one on the thread pool.
+        """
+        idx = np.arange(len(self.layout)) if indices is None else np.asarray(indices, dtype=np.int64)
         out = np.empty((len(idx), self.out_size, self.out_size, 3), dtype=np.uint8)
+        if len(idx) == 0:
+            return out
+        r = self.read_size
+        ds = self.slide.level_downsamples[self.level]
+        level_xy = np.floor(self.layout.coords[idx] / ds + 1e-9).astype(np.int64)
+        (bx0, by0), (bx1, by1) = level_xy.min(axis=0), level_xy.max(axis=0) + r
+        box = int((bx1 - bx0) * (by1 - by0))
+        if box <= MAX_REGION_PIXELS and len(idx) * r * r * DENSE_FACTOR >= box:
+            region = self.slide.read_region(
+                (math.ceil(bx0 * ds), math.ceil(by0 * ds)), self.level, (int(bx1 - bx0), int(by1 - by0))
+            )
+            for k, (lx, ly) in enumerate(level_xy - (bx0, by0)):
+                out[k] = self._resize(region[ly : ly + r, lx : lx + r])
+            return out
 
         def fill(k_i):
             k, i = k_i
             out[k] = self.read_one(i)
 
-        list(self._pool.map(fill, enumerate(idx)))
+        list(self._pool.map(fill, enumerate(idx.tolist())))
         return out
 
     def close(self) -> None:
@@ -168,8 +197,17 @@ def locate_slide(slides_dir: str | Path, slide_id: str) -> Path | None:
 
 
 def locate_coords(tiles_dir: str | Path, slide_id: str) -> Path | None:
-    """``tiles_dir/patches/{slide_id}.h5`` (dpgs, CLAM) or ``tiles_dir/{slide_id}.h5``, or None."""
-    for candidate in (Path(tiles_dir) / "patches" / f"{slide_id}.h5", Path(tiles_dir) / f"{slide_id}.h5"):
+    """The coords file of ``slide_id`` under ``tiles_dir``, or None.
+
+    Looked for in this order: ``patches/{id}.h5`` (dpgs, CLAM), ``patches/{id}_patches.h5`` (TRIDENT),
+    ``{id}.h5``.
+    """
+    root = Path(tiles_dir)
+    for candidate in (
+        root / "patches" / f"{slide_id}.h5",
+        root / "patches" / f"{slide_id}_patches.h5",
+        root / f"{slide_id}.h5",
+    ):
         if candidate.is_file():
             return candidate
     return None
@@ -213,11 +251,13 @@ class TileBagDataset:
             slide = locate_slide(slides_dir, r.slide_id)
             coords = locate_coords(tiles_dir, r.slide_id)
             if slide is None:
-                problems.append(f"slide '{r.slide_id}': no slide file {r.slide_id}.<svs|tif|...> in {slides_dir}")
+                problems.append(
+                    f"slide '{r.slide_id}': no slide file {r.slide_id}.<svs|tif|...> in {slides_dir}"
+                )
             if coords is None:
                 problems.append(
-                    f"slide '{r.slide_id}': no coords file {r.slide_id}.h5 in {tiles_dir}/patches or {tiles_dir} "
-                    "(run `dpgs tile`)"
+                    f"slide '{r.slide_id}': no coords file {r.slide_id}.h5 in {tiles_dir}/patches "
+                    f"or {tiles_dir} (run `dpgs tile`)"
                 )
             if slide is not None and coords is not None:
                 items.append(TileBagItem(r.slide_id, slide, coords, int(r.label)))
@@ -253,7 +293,9 @@ class TileBagDataset:
         x = to_float_tiles(raw)
         if self.augment is not None and len(idx) > 0:
             key = self.epoch if generator_key is None else generator_key
-            gen = torch.Generator().manual_seed(int(np.random.default_rng([self.seed, key, i]).integers(2**62)))
+            gen = torch.Generator().manual_seed(
+                int(np.random.default_rng([self.seed, key, i]).integers(2**62))
+            )
             x, _ = self.augment(x, gen)
         if self.normalize:
             x = imagenet_normalize(x)

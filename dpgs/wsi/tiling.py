@@ -54,10 +54,10 @@ _BLOCK_WIDTH = 8192
 
 @dataclass(frozen=True)
 class TilingParams:
-    """Settings of a tiling run; exactly one of ``magnification`` and ``level`` is set."""
+    """Settings of a tiling run: ``magnification`` or ``level`` (neither: magnification 20)."""
 
     tile_size: int = 256
-    magnification: float | None = 20.0
+    magnification: float | None = None
     level: int | None = None
     tissue: str = "grey"
     min_tissue: float = 0.6
@@ -68,8 +68,10 @@ class TilingParams:
     def __post_init__(self):
         if self.tile_size < 1:
             raise ValueError(f"tile size must be >= 1, got {self.tile_size}")
-        if (self.magnification is None) == (self.level is None):
-            raise ValueError("give exactly one of magnification and level")
+        if self.magnification is not None and self.level is not None:
+            raise ValueError("give magnification or level, not both")
+        if self.magnification is None and self.level is None:
+            object.__setattr__(self, "magnification", 20.0)
         if self.magnification is not None and not self.magnification > 0:
             raise ValueError(f"magnification must be > 0, got {self.magnification}")
         if self.level is not None and self.level < 0:
@@ -112,7 +114,9 @@ def choose_geometry(
     base = slide.magnification
     if level is not None:
         if not 0 <= level < slide.level_count:
-            raise ValueError(f"{slide.path}: level {level} does not exist (levels 0..{slide.level_count - 1})")
+            raise ValueError(
+                f"{slide.path}: level {level} does not exist (levels 0..{slide.level_count - 1})"
+            )
         lvl, d, read = level, slide.level_downsamples[level], tile_size
         target = base / d if base is not None else None
     else:
@@ -340,11 +344,15 @@ def tile_one(slide_path: str | Path, out_dir: str | Path, params: TilingParams) 
         result = tile_slide(slide_path, params)
         (out_dir / "thumbnails").mkdir(parents=True, exist_ok=True)
         h5_path.parent.mkdir(parents=True, exist_ok=True)
-        outline_thumbnail(result.thumbnail, result.coords, result.geometry, out_dir / "thumbnails" / f"{sid}.png")
+        outline_thumbnail(
+            result.thumbnail, result.coords, result.geometry, out_dir / "thumbnails" / f"{sid}.png"
+        )
         write_coords_h5(h5_path, result, params, str(slide_path))
     except Exception as err:  # any per-slide problem is reported and the run goes on
         message = str(err) if str(slide_path) in str(err) else f"{slide_path}: {err}"
-        return SlideOutcome(sid, str(slide_path), "failed", seconds=time.perf_counter() - start, error=message)
+        return SlideOutcome(
+            sid, str(slide_path), "failed", seconds=time.perf_counter() - start, error=message
+        )
     return SlideOutcome(
         sid, str(slide_path), "tiled", len(result.coords), result.grid_tiles, time.perf_counter() - start
     )
@@ -416,7 +424,9 @@ def tile_directory(
         sid = slide_id_of(path)
         if sid in first:
             outcomes.append(
-                SlideOutcome(sid, str(path), "failed", error=f"{path}: slide id '{sid}' already used by {first[sid]}")
+                SlideOutcome(
+                    sid, str(path), "failed", error=f"{path}: slide id '{sid}' already used by {first[sid]}"
+                )
             )
         else:
             first[sid] = path

@@ -121,4 +121,3 @@ def footprint_boxes(coords: np.ndarray, size0: int, scale_x: float, scale_y: flo
 def thumbnail_scale(level0: tuple[int, int], thumb_shape) -> tuple[float, float]:
     """(x, y) thumbnail pixels per level-0 pixel."""
     return thumb_shape[1] / level0[0], thumb_shape[0] / level0[1]
-

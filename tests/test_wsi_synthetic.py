@@ -1,0 +1,58 @@
+"""Synthetic slides: readable pyramids with metadata, a manifest, tumour texture only on positives."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from dpgs.wsi.reader import open_slide
+from dpgs.wsi.synthetic import read_summary, write_synthetic_slides
+from dpgs.wsi.tiling import TilingParams, tile_directory
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "slides_demo"
+    return write_synthetic_slides(out, n_slides=6, seed=1, size=(512, 384))
+
+
+def test_manifest_and_files(demo):
+    with open(demo) as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["slide_id"] for r in rows] == [f"slide_{i:03d}" for i in range(6)]
+    assert [r["label"] for r in rows] == ["0", "1"] * 3
+    assert sorted(r["split"] for r in rows if r["label"] == "1") == ["test", "train", "val"]
+    assert len({r["case_id"] for r in rows}) == 6
+    summary = read_summary(demo.parent)
+    assert summary == json.loads((demo.parent / "demo_slides.json").read_text())
+    for s in summary["slides"]:
+        assert s["tissue_fraction"] > 0.05
+        assert (s["tumour_fraction"] > 0) == (s["label"] == 1)
+    with open_slide(demo.parent / "slides" / "slide_001.tif") as s:
+        assert s.level_dimensions == ((512, 384), (256, 192), (128, 96))
+        assert (s.objective_power, s.mpp) == (20.0, 0.5)
+
+
+def test_positive_slides_have_a_distinct_texture(demo, tmp_path):
+    report = tile_directory(
+        demo.parent / "slides", tmp_path, TilingParams(tile_size=32, level=1), progress=False
+    )
+    assert report.counts == {"tiled": 6, "skipped": 0, "failed": 0}
+    assert all(o.tiles > 5 for o in report.outcomes)
+    # tumour pixels are dark purple: the darkest tissue is much darker on positive slides
+    dark = {}
+    for i in range(6):
+        with open_slide(demo.parent / "slides" / f"slide_{i:03d}.tif") as s:
+            px = s.read_region((0, 0), 0, s.dimensions).reshape(-1, 3).astype(float)
+        dark[i] = float(((px[:, 0] < 80) & (px[:, 2] > 90)).mean())
+    assert min(dark[i] for i in (1, 3, 5)) > 10 * max(dark[i] for i in (0, 2, 4))
+
+
+def test_refuses_foreign_directory(tmp_path):
+    (tmp_path / "x.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a dpgs synthetic-slides directory"):
+        write_synthetic_slides(tmp_path, n_slides=2, size=(256, 256))
+    with pytest.raises(ValueError, match="n_slides must be >= 2"):
+        write_synthetic_slides(tmp_path / "new", n_slides=1)
