@@ -31,20 +31,38 @@ def main(argv=None) -> int:
         manifest = demo_manifest(work, args.bags)
         for b in SIZES:
             r = run(
-                manifest, work, f"B-{b}",
-                "train.mode=dpgs", "dpgs.workers=2", f"train.batch_size={b}", f"train.epochs={args.epochs}",
-                f"train.lr={5e-4 * b / 16}", "dpgs.compression.keep_ratio=0.01",
-                "dpgs.compression.value_dtype=fp16", "dpgs.compression.dense_min_numel=1024",
+                manifest,
+                work,
+                f"B-{b}",
+                "train.mode=dpgs",
+                "dpgs.workers=2",
+                f"train.batch_size={b}",
+                f"train.epochs={args.epochs}",
+                f"train.lr={5e-4 * b / 16}",
+                "dpgs.compression.keep_ratio=0.01",
+                "dpgs.compression.value_dtype=fp16",
+                "dpgs.compression.dense_min_numel=1024",
             )
             best = max(r["history"], key=lambda row: row.get("val_auc", -1))
-            rows.append([
-                str(b), fmt(r["train_s"]), fmt(r["mean"]("step_seconds"), ".3f"),
-                fmt(r["history"][0]["optimizer_steps"], ".0f"),
-                fmt(r["best_val_auc"]), fmt(best["elapsed_seconds"], ".1f"), fmt(r["test"].get("test_auc")),
-            ])
+            rows.append(
+                [
+                    str(b),
+                    fmt(r["train_s"]),
+                    fmt(r["mean"]("step_seconds"), ".3f"),
+                    fmt(r["history"][0]["optimizer_steps"], ".0f"),
+                    fmt(r["best_val_auc"]),
+                    fmt(best["elapsed_seconds"], ".1f"),
+                    fmt(r["test"].get("test_auc")),
+                ]
+            )
     ray.shutdown()
-    table = markdown(["B", "train s/epoch", "s/step", "steps/epoch", "best val AUC", "s to best", "test AUC"], rows)
-    emit(f"Demo bags {args.bags}, ABMIL, P=2, keep 1%, {args.epochs} epochs. {machine_line()}.\n\n{table}", args.out)
+    table = markdown(
+        ["B", "train s/epoch", "s/step", "steps/epoch", "best val AUC", "s to best", "test AUC"], rows
+    )
+    emit(
+        f"Demo bags {args.bags}, ABMIL, P=2, keep 1%, {args.epochs} epochs. {machine_line()}.\n\n{table}",
+        args.out,
+    )
     return 0
 
 

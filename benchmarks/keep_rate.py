@@ -31,19 +31,35 @@ def main(argv=None) -> int:
         manifest = demo_manifest(work, args.bags)
         for keep in KEEPS:
             r = run(
-                manifest, work, f"keep-{keep}",
-                "train.mode=dpgs", "dpgs.workers=2", "train.batch_size=16", f"train.epochs={args.epochs}",
+                manifest,
+                work,
+                f"keep-{keep}",
+                "train.mode=dpgs",
+                "dpgs.workers=2",
+                "train.batch_size=16",
+                f"train.epochs={args.epochs}",
                 f"dpgs.compression.keep_ratio={keep}",
                 f"dpgs.compression.value_dtype={'fp32' if keep == 1.0 else 'fp16'}",
                 "dpgs.compression.dense_min_numel=1024",
             )
-            rows.append([
-                f"{keep:.2%}", fmt(r["train_s"]), fmt(r["best_val_auc"]), fmt(r["test"].get("test_auc")),
-                fmt(r["mean"]("comm_bytes_per_step") / 1024, ".1f"), fmt(r["mean"]("compression_ratio"), ".1f") + "x",
-            ])
+            rows.append(
+                [
+                    f"{keep:.2%}",
+                    fmt(r["train_s"]),
+                    fmt(r["best_val_auc"]),
+                    fmt(r["test"].get("test_auc")),
+                    fmt(r["mean"]("comm_bytes_per_step") / 1024, ".1f"),
+                    fmt(r["mean"]("compression_ratio"), ".1f") + "x",
+                ]
+            )
     ray.shutdown()
-    table = markdown(["keep", "train s/epoch", "best val AUC", "test AUC", "KiB/step", "ratio vs dense fp32"], rows)
-    emit(f"Demo bags {args.bags}, ABMIL, P=2, B=16, {args.epochs} epochs. {machine_line()}.\n\n{table}", args.out)
+    table = markdown(
+        ["keep", "train s/epoch", "best val AUC", "test AUC", "KiB/step", "ratio vs dense fp32"], rows
+    )
+    emit(
+        f"Demo bags {args.bags}, ABMIL, P=2, B=16, {args.epochs} epochs. {machine_line()}.\n\n{table}",
+        args.out,
+    )
     return 0
 
 

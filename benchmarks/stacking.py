@@ -14,9 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import demo_manifest, emit, fmt, machine_line, markdown, run, time_to
-
 import ray
+from _common import demo_manifest, emit, fmt, machine_line, markdown, run, time_to
 
 
 def main(argv=None) -> int:
@@ -41,9 +40,15 @@ def main(argv=None) -> int:
         runs.append(
             (
                 f"dpgs P=2 keep {keep:.1%}",
-                ["train.mode=dpgs", "dpgs.workers=2", batch_lr, f"dpgs.compression.keep_ratio={keep}",
-                 f"dpgs.compression.value_dtype={dtype}", "dpgs.compression.dense_min_numel=1024",
-                 f"dpgs.compression.warmup_epochs={0 if keep == 1.0 else 2}"],
+                [
+                    "train.mode=dpgs",
+                    "dpgs.workers=2",
+                    batch_lr,
+                    f"dpgs.compression.keep_ratio={keep}",
+                    f"dpgs.compression.value_dtype={dtype}",
+                    "dpgs.compression.dense_min_numel=1024",
+                    f"dpgs.compression.warmup_epochs={0 if keep == 1.0 else 2}",
+                ],
             )
         )
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,12 +78,22 @@ def main(argv=None) -> int:
             ]
         )
     table = markdown(
-        ["run", "train s/epoch", "vs classic", f"s to classic best val AUC ({target:.3f})", "best val AUC",
-         "test AUC", "Ray overhead / step", "KiB per step (up+down)", "compression"],
+        [
+            "run",
+            "train s/epoch",
+            "vs classic",
+            f"s to classic best val AUC ({target:.3f})",
+            "best val AUC",
+            "test AUC",
+            "Ray overhead / step",
+            "KiB per step (up+down)",
+            "compression",
+        ],
         rows,
     )
     emit(
-        f"Demo bags: {args.bags}, ABMIL, {args.epochs} epochs, B={args.batch_size} (lr {args.batch_lr}; classic "
+        f"Demo bags: {args.bags}, ABMIL, {args.epochs} epochs, B={args.batch_size} "
+        f"(lr {args.batch_lr}; classic "
         f"B=1, lr {args.classic_lr}). Times exclude the first epoch. {machine_line()}.\n\n{table}",
         args.out,
     )

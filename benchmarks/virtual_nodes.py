@@ -22,8 +22,11 @@ from _common import demo_manifest, emit, fmt, machine_line, markdown, run
 
 SCHEMES = {
     "none": ["dpgs.compression.keep_ratio=1.0", "dpgs.compression.value_dtype=fp32"],
-    "DGC-style": ["dpgs.compression.keep_ratio=0.001", "dpgs.compression.value_dtype=fp32",
-                  "dpgs.compression.wire=dgc"],
+    "DGC-style": [
+        "dpgs.compression.keep_ratio=0.001",
+        "dpgs.compression.value_dtype=fp32",
+        "dpgs.compression.wire=dgc",
+    ],
     "ours": ["dpgs.compression.keep_ratio=0.001", "dpgs.compression.value_dtype=fp16"],
 }
 
@@ -42,15 +45,37 @@ def main(argv=None) -> int:
         for p_workers in (1, 2, 4):
             r = run(manifest, work, f"P-{p_workers}", *base, f"dpgs.workers={p_workers}", *SCHEMES["none"])
             step = r["mean"]("step_seconds")
-            nodes.append([str(p_workers), fmt(r["train_s"]), fmt(step), fmt(100 * r["mean"]("step_overhead_seconds") / step, ".0f") + "%",
-                          fmt(r["mean"]("worker_imbalance"), ".2f")])
+            nodes.append(
+                [
+                    str(p_workers),
+                    fmt(r["train_s"]),
+                    fmt(step),
+                    fmt(100 * r["mean"]("step_overhead_seconds") / step, ".0f") + "%",
+                    fmt(r["mean"]("worker_imbalance"), ".2f"),
+                ]
+            )
         for mbps in (10, 100, 1000):
             for scheme, extra in SCHEMES.items():
-                r = run(manifest, work, f"{scheme}-{mbps}", *base, "dpgs.workers=2",
-                        f"dpgs.emulate_bandwidth_mbps={mbps}", *extra)
-                links.append([f"{mbps} Mbps", scheme, fmt(r["train_s"]), fmt(r["mean"]("step_seconds")),
-                              fmt(r["mean"]("comm_bytes_per_step") / 1024, ".1f"),
-                              fmt(r["mean"]("compression_ratio"), ".1f") + "x", fmt(r["test"].get("test_auc"))])
+                r = run(
+                    manifest,
+                    work,
+                    f"{scheme}-{mbps}",
+                    *base,
+                    "dpgs.workers=2",
+                    f"dpgs.emulate_bandwidth_mbps={mbps}",
+                    *extra,
+                )
+                links.append(
+                    [
+                        f"{mbps} Mbps",
+                        scheme,
+                        fmt(r["train_s"]),
+                        fmt(r["mean"]("step_seconds")),
+                        fmt(r["mean"]("comm_bytes_per_step") / 1024, ".1f"),
+                        fmt(r["mean"]("compression_ratio"), ".1f") + "x",
+                        fmt(r["test"].get("test_auc")),
+                    ]
+                )
     ray.shutdown()
     text = (
         f"Demo bags {args.bags}, ABMIL, B=16, {args.epochs} epochs. {machine_line()}.\n\n"

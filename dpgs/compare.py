@@ -4,9 +4,9 @@ For every top-level run (k-fold parents are summarised over their nested fold ru
 mean ± std) the table holds: mode, model, B, workers, keep ratio, best value of the metric, epoch at
 best, time to best (``elapsed_seconds`` at that epoch), time to target (first epoch whose metric
 reaches ``--target``; for metrics named ``*loss`` "reaches" means <=), bytes per step and compression
-ratio (DPGS runs), final test AUC and accuracy. Outputs: printed table, ``comparison.csv``, ``comparison.md`` and
-``metric_vs_time.png``, also logged as artifacts of a new run tagged ``dpgs.kind=comparison`` (such runs
-are skipped by later comparisons).
+ratio (DPGS runs), final test AUC and accuracy. Outputs: printed table, ``comparison.csv``,
+``comparison.md`` and ``metric_vs_time.png``, also logged as artifacts of a new run tagged
+``dpgs.kind=comparison`` (such runs are skipped by later comparisons).
 """
 
 from __future__ import annotations
@@ -23,8 +23,22 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-COLUMNS = ["run", "mode", "model", "B", "workers", "keep", "best", "epoch_at_best", "time_to_best_s",
-           "time_to_target_s", "test_auc", "test_acc", "bytes_per_step", "compression_ratio"]
+COLUMNS = [
+    "run",
+    "mode",
+    "model",
+    "B",
+    "workers",
+    "keep",
+    "best",
+    "epoch_at_best",
+    "time_to_best_s",
+    "time_to_target_s",
+    "test_auc",
+    "test_acc",
+    "bytes_per_step",
+    "compression_ratio",
+]
 
 
 class CompareError(ValueError):
@@ -52,7 +66,12 @@ def _better(metric: str):
 def summarise_curve(curve: Curve, metric: str, target: float | None) -> dict:
     """best, epoch at best, time to best, time to target of one run's per-epoch curve."""
     if not curve.steps:
-        return {"best": math.nan, "epoch_at_best": math.nan, "time_to_best_s": math.nan, "time_to_target_s": math.nan}
+        return {
+            "best": math.nan,
+            "epoch_at_best": math.nan,
+            "time_to_best_s": math.nan,
+            "time_to_target_s": math.nan,
+        }
     better = _better(metric)
     best_i = 0
     for i, v in enumerate(curve.values):
@@ -64,8 +83,12 @@ def summarise_curve(curve: Curve, metric: str, target: float | None) -> dict:
             if (v <= target) if metric.endswith("loss") else (v >= target):
                 reached = t
                 break
-    return {"best": curve.values[best_i], "epoch_at_best": curve.steps[best_i],
-            "time_to_best_s": curve.times[best_i], "time_to_target_s": reached}
+    return {
+        "best": curve.values[best_i],
+        "epoch_at_best": curve.steps[best_i],
+        "time_to_best_s": curve.times[best_i],
+        "time_to_target_s": reached,
+    }
 
 
 def _comm(client: MlflowClient, run) -> tuple[float, float]:
@@ -74,13 +97,17 @@ def _comm(client: MlflowClient, run) -> tuple[float, float]:
     return (float(np.mean(per_step)) if per_step else math.nan, float(np.mean(ratio)) if ratio else math.nan)
 
 
-def compare(tracking_uri: str, experiment: str, metric: str = "val_auc", target: float | None = None) -> list[dict]:
+def compare(
+    tracking_uri: str, experiment: str, metric: str = "val_auc", target: float | None = None
+) -> list[dict]:
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         names = ", ".join(e.name for e in client.search_experiments()) or "none"
         raise CompareError(f"experiment '{experiment}' not found at {tracking_uri} (experiments: {names})")
-    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time ASC"], max_results=10000)
+    runs = client.search_runs(
+        [found.experiment_id], order_by=["attributes.start_time ASC"], max_results=10000
+    )
     runs = [r for r in runs if r.data.tags.get("dpgs.kind") != "comparison"]
     top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     if not top:
@@ -95,7 +122,9 @@ def compare(tracking_uri: str, experiment: str, metric: str = "val_auc", target:
             "model": params.get("model.name", "?"),
             "B": 1 if params.get("train.mode") == "classic" else params.get("train.batch_size", "?"),
             "workers": params.get("dpgs.workers", "-") if params.get("train.mode") == "dpgs" else "-",
-            "keep": params.get("dpgs.compression.keep_ratio", "-") if params.get("train.mode") == "dpgs" else "-",
+            "keep": params.get("dpgs.compression.keep_ratio", "-")
+            if params.get("train.mode") == "dpgs"
+            else "-",
         }
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
         members = children or [run]
@@ -106,8 +135,12 @@ def compare(tracking_uri: str, experiment: str, metric: str = "val_auc", target:
             row[key] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
             if children:
                 row[key + "_std"] = float(np.nanstd(values)) if np.isfinite(values).any() else math.nan
-        row["bytes_per_step"] = float(np.nanmean([c[0] for c in comm])) if any(np.isfinite(c[0]) for c in comm) else math.nan
-        row["compression_ratio"] = float(np.nanmean([c[1] for c in comm])) if any(np.isfinite(c[1]) for c in comm) else math.nan
+        row["bytes_per_step"] = (
+            float(np.nanmean([c[0] for c in comm])) if any(np.isfinite(c[0]) for c in comm) else math.nan
+        )
+        row["compression_ratio"] = (
+            float(np.nanmean([c[1] for c in comm])) if any(np.isfinite(c[1]) for c in comm) else math.nan
+        )
         for key in ("test_auc", "test_acc"):
             values = [m.data.metrics.get(key, math.nan) for m in members]
             row[key] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
@@ -140,7 +173,11 @@ def to_markdown(rows: list[dict], metric: str) -> str:
 
 def write_outputs(rows: list[dict], metric: str, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path, png_path = out_dir / "comparison.csv", out_dir / "comparison.md", out_dir / "metric_vs_time.png"
+    csv_path, md_path, png_path = (
+        out_dir / "comparison.csv",
+        out_dir / "comparison.md",
+        out_dir / "metric_vs_time.png",
+    )
     with csv_path.open("w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["run_id", *COLUMNS, "folds"])
@@ -151,8 +188,14 @@ def write_outputs(rows: list[dict], metric: str, out_dir: Path) -> list[Path]:
     for r in rows:
         for i, curve in enumerate(r["curves"]):
             if curve.steps:
-                ax.plot(curve.times, curve.values, marker="o", markersize=3,
-                        label=r["run"] if i == 0 else None, color=f"C{rows.index(r) % 10}")
+                ax.plot(
+                    curve.times,
+                    curve.values,
+                    marker="o",
+                    markersize=3,
+                    label=r["run"] if i == 0 else None,
+                    color=f"C{rows.index(r) % 10}",
+                )
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel(metric)
     ax.legend(fontsize=8)
@@ -165,8 +208,11 @@ def write_outputs(rows: list[dict], metric: str, out_dir: Path) -> list[Path]:
 def log_comparison(tracking_uri: str, experiment: str, metric: str, files: list[Path]) -> str:
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    run = client.create_run(exp.experiment_id, run_name=f"compare-{metric}",
-                            tags={"dpgs.kind": "comparison", "dpgs.metric": metric})
+    run = client.create_run(
+        exp.experiment_id,
+        run_name=f"compare-{metric}",
+        tags={"dpgs.kind": "comparison", "dpgs.metric": metric},
+    )
     for path in files:
         client.log_artifact(run.info.run_id, str(path))
     client.set_terminated(run.info.run_id)

@@ -31,13 +31,40 @@ def cluster(tmp_path):
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token"}
     env.pop("RAY_JOB_ID", None)
     temp = Path("/tmp") / f"dpgs-ray-{port}"  # Ray limits socket path lengths: keep it short
-    head = [RAY, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard", "false",
-            "--temp-dir", str(temp), "--object-store-memory", str(150 << 20), "--disable-usage-stats"]
+    head = [
+        RAY,
+        "start",
+        "--head",
+        "--port",
+        str(port),
+        "--num-cpus",
+        "2",
+        "--include-dashboard",
+        "false",
+        "--temp-dir",
+        str(temp),
+        "--object-store-memory",
+        str(150 << 20),
+        "--disable-usage-stats",
+    ]
     subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
     try:
-        subprocess.run([RAY, "start", "--address", f"127.0.0.1:{port}", "--num-cpus", "2",
-                        "--object-store-memory", str(150 << 20)],
-                       check=True, env=env, capture_output=True, timeout=120)
+        subprocess.run(
+            [
+                RAY,
+                "start",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--num-cpus",
+                "2",
+                "--object-store-memory",
+                str(150 << 20),
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
         yield env
     finally:
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
@@ -45,10 +72,22 @@ def cluster(tmp_path):
 
 def test_dpgs_train_on_a_two_node_cluster(cluster, tmp_path):
     manifest, feats = write_bags(tmp_path / "data", [5, 40, 3, 17, 60, 2, 9, 30, 12, 4, 25, 8])
-    cmd = [DPGS, "train", "--address", "auto", f"data.manifest={manifest}", f"data.features_dir={feats}",
-           "train.mode=dpgs", "dpgs.workers=2", "train.epochs=1", "train.batch_size=4",
-           f"train.output_dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
-           "dpgs.compression.keep_ratio=0.1", "dpgs.compression.value_dtype=fp16"]
+    cmd = [
+        DPGS,
+        "train",
+        "--address",
+        "auto",
+        f"data.manifest={manifest}",
+        f"data.features_dir={feats}",
+        "train.mode=dpgs",
+        "dpgs.workers=2",
+        "train.epochs=1",
+        "train.batch_size=4",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
+        "dpgs.compression.keep_ratio=0.1",
+        "dpgs.compression.value_dtype=fp16",
+    ]
     result = subprocess.run(cmd, env=cluster, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Connecting to existing Ray cluster" in result.stderr
@@ -61,8 +100,17 @@ def test_dpgs_train_on_a_two_node_cluster(cluster, tmp_path):
 def test_address_without_cluster_is_a_clear_error(tmp_path):
     manifest, feats = write_bags(tmp_path / "data", [5, 4, 3, 6, 2, 7, 8, 9, 3, 4])
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
-    cmd = [DPGS, "train", "--address", "auto", f"data.manifest={manifest}", f"data.features_dir={feats}",
-           "train.mode=dpgs", f"train.output_dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"]
+    cmd = [
+        DPGS,
+        "train",
+        "--address",
+        "auto",
+        f"data.manifest={manifest}",
+        f"data.features_dir={feats}",
+        "train.mode=dpgs",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "no Ray cluster found" in result.stderr

@@ -22,8 +22,13 @@ def log_run(uri, name, params, aucs, extra=None, parent=None):
 def uri(tmp_path):
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     classic = {"train.mode": "classic", "model.name": "abmil", "train.batch_size": 16}
-    dpgs = {"train.mode": "dpgs", "model.name": "abmil", "train.batch_size": 16, "dpgs.workers": 2,
-            "dpgs.compression.keep_ratio": 0.01}
+    dpgs = {
+        "train.mode": "dpgs",
+        "model.name": "abmil",
+        "train.batch_size": 16,
+        "dpgs.workers": 2,
+        "dpgs.compression.keep_ratio": 0.01,
+    }
     log_run(uri, "classic", classic, [0.6, 0.9, 0.8])
     log_run(uri, "dpgs", dpgs, [0.7, 0.95, 0.97], {"comm_bytes_per_step": 1000.0, "compression_ratio": 150.0})
     parent = RunTracker.start(uri, "exp", "cv", {"dpgs.kfold_parent": "true"})
@@ -36,13 +41,18 @@ def uri(tmp_path):
 
 def test_table_files_and_artifacts(uri, tmp_path, capsys):
     out = tmp_path / "cmp"
-    assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "--target", "0.9", "--out", str(out)]) == 0
+    assert (
+        main(["compare", "--experiment", "exp", "--tracking-uri", uri, "--target", "0.9", "--out", str(out)])
+        == 0
+    )
     rows = {r["run"]: r for r in csv.DictReader((out / "comparison.csv").open())}
     assert set(rows) == {"classic", "dpgs", "cv"}  # fold runs are summarised in their parent
     assert float(rows["classic"]["best"]) == 0.9 and float(rows["classic"]["epoch_at_best"]) == 2
     assert float(rows["classic"]["time_to_target_s"]) == 20.0
     assert float(rows["dpgs"]["best"]) == 0.97 and float(rows["dpgs"]["time_to_best_s"]) == 30.0
-    assert float(rows["dpgs"]["bytes_per_step"]) == 1000.0 and float(rows["dpgs"]["compression_ratio"]) == 150.0
+    assert (
+        float(rows["dpgs"]["bytes_per_step"]) == 1000.0 and float(rows["dpgs"]["compression_ratio"]) == 150.0
+    )
     assert float(rows["cv"]["best"]) == pytest.approx(0.8)  # mean of the folds' best (0.9, 0.7)
     assert "0.8 ± 0.1" in (out / "comparison.md").read_text()
     assert (out / "metric_vs_time.png").stat().st_size > 1000

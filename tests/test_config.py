@@ -55,7 +55,9 @@ def test_missing_config_file(tmp_path):
 
 
 def test_round_trip_and_flatten(tmp_path):
-    cfg = load_config(None, ["train.mode=dpgs", "dpgs.workers=3", "data.manifest=a.csv", "data.features_dir=b"])
+    cfg = load_config(
+        None, ["train.mode=dpgs", "dpgs.workers=3", "data.manifest=a.csv", "data.features_dir=b"]
+    )
     save_config(cfg, tmp_path / "c.yaml")
     again = load_config(tmp_path / "c.yaml")
     assert again == cfg

@@ -65,14 +65,22 @@ def test_one_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers):
     SGD, because Adam's first step is lr * sign(g): entries whose gradient is ~0 flip with float32
     summation order, which says nothing about the stacking.
     """
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", f"dpgs.workers={workers}",
-                         "train.optimizer=sgd", "train.lr=0.5",
-                         "dpgs.compression.keep_ratio=1.0", "dpgs.compression.value_dtype=fp32")
+    config = make_config(
+        *bags,
+        tmp_path / "run",
+        "train.mode=dpgs",
+        f"dpgs.workers={workers}",
+        "train.optimizer=sgd",
+        "train.lr=0.5",
+        "dpgs.compression.keep_ratio=1.0",
+        "dpgs.compression.value_dtype=fp32",
+    )
     data = experiment_data(config)
     batch = [[0, 1, 2, 3, 4, 5, 6]]
     before = engines(config, data)[1].state_dict()
-    reference = local_params(config.model_copy(update={"train": config.train.model_copy(update={"mode": "packed"})}),
-                             data, batch)
+    reference = local_params(
+        config.model_copy(update={"train": config.train.model_copy(update={"mode": "packed"})}), data, batch
+    )
     stacked, stats = dpgs_params(config, data, batch)
     assert_close(stacked, reference, 1e-5)
     assert any((reference[k] - before[k]).abs().max() > 1e-4 for k in reference), "the step changed nothing"
@@ -82,8 +90,14 @@ def test_one_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers):
 
 
 def test_compression_counts_bytes_and_shrinks_payloads(ray_cluster, bags, tmp_path):
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
-                         "dpgs.compression.keep_ratio=0.01", "dpgs.compression.value_dtype=fp16")
+    config = make_config(
+        *bags,
+        tmp_path / "run",
+        "train.mode=dpgs",
+        "dpgs.workers=2",
+        "dpgs.compression.keep_ratio=0.01",
+        "dpgs.compression.value_dtype=fp16",
+    )
     data = experiment_data(config)
     _, stats = dpgs_params(config, data, [[0, 1, 2, 3], [4, 5, 6, 7]])
     epoch = stats[0]
@@ -95,9 +109,15 @@ def test_compression_counts_bytes_and_shrinks_payloads(ray_cluster, bags, tmp_pa
 
 def test_killed_worker_is_restarted_and_its_bags_rerun(ray_cluster, bags, tmp_path):
     """SIGKILL a worker while it computes: the step completes, every bag counts once (exact result)."""
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
-                         "dpgs.compression.keep_ratio=1.0", "dpgs.compression.value_dtype=fp32",
-                         "dpgs.call_timeout_s=60")
+    config = make_config(
+        *bags,
+        tmp_path / "run",
+        "train.mode=dpgs",
+        "dpgs.workers=2",
+        "dpgs.compression.keep_ratio=1.0",
+        "dpgs.compression.value_dtype=fp32",
+        "dpgs.call_timeout_s=60",
+    )
     data = experiment_data(config)
     batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     clean, _ = dpgs_params(config, data, batches)
@@ -118,8 +138,14 @@ def test_killed_worker_is_restarted_and_its_bags_rerun(ray_cluster, bags, tmp_pa
 def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tmp_path):
     from dpgs.distributed.engine import WorkerFailure
 
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
-                         "dpgs.max_worker_restarts=0", "dpgs.call_timeout_s=30")
+    config = make_config(
+        *bags,
+        tmp_path / "run",
+        "train.mode=dpgs",
+        "dpgs.workers=2",
+        "dpgs.max_worker_restarts=0",
+        "dpgs.call_timeout_s=30",
+    )
     (tmp_path / "run").mkdir()
     data = experiment_data(config)
 
@@ -138,9 +164,15 @@ class DriverKilled(RuntimeError):
 
 
 def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_path):
-    common = ["train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=1.0",
-              "dpgs.compression.value_dtype=fp32", "train.epochs=2", "train.batch_size=4",
-              "dpgs.checkpoint_every=1"]
+    common = [
+        "train.mode=dpgs",
+        "dpgs.workers=2",
+        "dpgs.compression.keep_ratio=1.0",
+        "dpgs.compression.value_dtype=fp32",
+        "train.epochs=2",
+        "train.batch_size=4",
+        "dpgs.checkpoint_every=1",
+    ]
     full = make_config(*bags, tmp_path / "full", *common)
     run_training(full)
 

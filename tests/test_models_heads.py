@@ -38,7 +38,9 @@ def test_packed_equals_per_bag_loop(name):
     loop = [head.loss(b, y[i]) for i, b in enumerate(xs)]
     reference = torch.stack([o["loss"] for o in loop]).mean()
     torch.testing.assert_close(packed["loss"], reference, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(packed["per_bag"], torch.cat([o["per_bag"] for o in loop]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        packed["per_bag"], torch.cat([o["per_bag"] for o in loop]), rtol=1e-12, atol=1e-12
+    )
     assert float(packed["loss"]) == pytest.approx(float(packed["per_bag"].mean()))
     g_packed = torch.autograd.grad(packed["loss"], list(head.parameters()), allow_unused=True)
     g_loop = torch.autograd.grad(reference, list(head.parameters()), allow_unused=True)
@@ -62,8 +64,12 @@ def test_class_weights_scale_per_bag_loss(name):
     head = build_head(name, 8, 2, dropout=0.0).double().eval()
     xs, y = bags(lengths=(4, 6)), torch.tensor([0, 1])
     plain = head.loss_packed(torch.cat(xs), torch.tensor([4, 6]), y)
-    weighted = head.loss_packed(torch.cat(xs), torch.tensor([4, 6]), y, class_weights=torch.tensor([2.0, 0.5]))
-    torch.testing.assert_close(weighted["per_bag"], plain["per_bag"] * torch.tensor([2.0, 0.5], dtype=torch.float64))
+    weighted = head.loss_packed(
+        torch.cat(xs), torch.tensor([4, 6]), y, class_weights=torch.tensor([2.0, 0.5])
+    )
+    torch.testing.assert_close(
+        weighted["per_bag"], plain["per_bag"] * torch.tensor([2.0, 0.5], dtype=torch.float64)
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -82,8 +88,11 @@ def test_learns_separable_toy_problem(name):
     for _ in range(60):
         for start in range(0, 40, 8):
             chunk = data[start : start + 8]
-            out = head.loss_packed(torch.cat([x for x, _ in chunk]), torch.tensor([len(x) for x, _ in chunk]),
-                                   torch.tensor([y for _, y in chunk]))
+            out = head.loss_packed(
+                torch.cat([x for x, _ in chunk]),
+                torch.tensor([len(x) for x, _ in chunk]),
+                torch.tensor([y for _, y in chunk]),
+            )
             opt.zero_grad()
             out["loss"].backward()
             opt.step()

@@ -23,8 +23,15 @@ def bags(tmp_path_factory):
 
 
 def test_packed_run_writes_outputs_and_logs_contract(bags, tmp_path):
-    cfg = make_config(*bags, tmp_path / "run", "train.mode=packed", "train.epochs=3", "train.batch_size=4",
-                      "eval.sample_k=4", "eval.repeats=2")
+    cfg = make_config(
+        *bags,
+        tmp_path / "run",
+        "train.mode=packed",
+        "train.epochs=3",
+        "train.batch_size=4",
+        "eval.sample_k=4",
+        "eval.repeats=2",
+    )
     result = run_training(cfg)
     out = tmp_path / "run"
     for name in ("config.yaml", "classes.json", "metrics.csv", "last.pt", "best.pt", "training_curves.png"):
@@ -36,9 +43,23 @@ def test_packed_run_writes_outputs_and_logs_contract(bags, tmp_path):
     run = MlflowClient(cfg.tracking.uri).get_run(result.run_id)
     assert run.data.tags["dpgs.mode"] == "packed" and run.data.tags["dpgs.model"] == "abmil"
     assert run.data.params["train.batch_size"] == "4"
-    for key in ("train_loss", "val_loss", "val_acc", "val_bacc", "val_auc", "val_f1", "val_qwk",
-                "epoch_seconds", "elapsed_seconds", "test_acc", "test_auc", "best_epoch", "time_to_best_seconds",
-                "test_k4_auc_mean", "test_k4_auc_std"):
+    for key in (
+        "train_loss",
+        "val_loss",
+        "val_acc",
+        "val_bacc",
+        "val_auc",
+        "val_f1",
+        "val_qwk",
+        "epoch_seconds",
+        "elapsed_seconds",
+        "test_acc",
+        "test_auc",
+        "best_epoch",
+        "time_to_best_seconds",
+        "test_k4_auc_mean",
+        "test_k4_auc_std",
+    ):
         assert key in run.data.metrics, key
     history = MlflowClient(cfg.tracking.uri).get_metric_history(result.run_id, "val_loss")
     assert [m.step for m in history] == [1, 2, 3]
@@ -48,8 +69,14 @@ def test_packed_run_writes_outputs_and_logs_contract(bags, tmp_path):
 
 @pytest.mark.parametrize("mode", ["classic", "padding", "sampling"])
 def test_baseline_modes_train(bags, tmp_path, mode):
-    cfg = make_config(*bags, tmp_path / mode, f"train.mode={mode}", "train.epochs=2", "train.batch_size=4",
-                      "train.sample_size=8")
+    cfg = make_config(
+        *bags,
+        tmp_path / mode,
+        f"train.mode={mode}",
+        "train.epochs=2",
+        "train.batch_size=4",
+        "train.sample_size=8",
+    )
     result = run_training(cfg)
     losses = [row["train_loss"] for row in result.folds[0].history]
     assert all(loss == loss for loss in losses)  # finite
@@ -88,10 +115,17 @@ def test_kfold_parent_and_nested_runs(bags, tmp_path):
     result = run_training(cfg)
     client = MlflowClient(cfg.tracking.uri)
     parent = client.get_run(result.run_id)
-    for key in ("cv_mean_test_acc", "cv_std_test_acc", "cv_mean_test_auc", "cv_std_test_auc", "total_seconds"):
+    for key in (
+        "cv_mean_test_acc",
+        "cv_std_test_acc",
+        "cv_mean_test_auc",
+        "cv_std_test_auc",
+        "total_seconds",
+    ):
         assert key in parent.data.metrics, key
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{result.run_id}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{result.run_id}'"
+    )
     assert len(children) == 3
     assert {(tmp_path / "cv" / f"fold_{k}" / "best.pt").is_file() for k in range(3)} == {True}
 
@@ -110,8 +144,17 @@ def test_bad_input_writes_nothing(bags, tmp_path):
 def test_cli_train_then_eval(bags, tmp_path, capsys):
     manifest, feats = bags
     out = tmp_path / "cli"
-    rc = main(["train", f"data.manifest={manifest}", f"data.features_dir={feats}", f"train.output_dir={out}",
-               f"tracking.uri=sqlite:///{tmp_path / 'm.db'}", "train.epochs=2", "train.batch_size=4"])
+    rc = main(
+        [
+            "train",
+            f"data.manifest={manifest}",
+            f"data.features_dir={feats}",
+            f"train.output_dir={out}",
+            f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
+            "train.epochs=2",
+            "train.batch_size=4",
+        ]
+    )
     assert rc == 0
     assert "MLflow run id:" in capsys.readouterr().out
     rc = main(["eval", str(out), "--split", "test"])

@@ -8,11 +8,16 @@ from pathlib import Path
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("compare", help="compare the runs of an MLflow experiment side by side",
-                       description="Table (printed, CSV, Markdown) and metric-vs-time plot of an experiment's runs.")
+    p = sub.add_parser(
+        "compare",
+        help="compare the runs of an MLflow experiment side by side",
+        description="Table (printed, CSV, Markdown) and metric-vs-time plot of an experiment's runs.",
+    )
     p.add_argument("--experiment", required=True, help="MLflow experiment name")
     p.add_argument("--metric", default="val_auc", help="per-epoch metric to compare (default val_auc)")
-    p.add_argument("--target", type=float, help="report the wall time at which each run first reaches this value")
+    p.add_argument(
+        "--target", type=float, help="report the wall time at which each run first reaches this value"
+    )
     p.add_argument("--tracking-uri", default="sqlite:///mlflow.db", help="MLflow tracking URI")
     p.add_argument("--out", default="runs/compare", help="directory for comparison.csv/.md and the PNG")
     return p

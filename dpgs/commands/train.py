@@ -10,7 +10,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
         help="train a MIL model (all folds when data.folds > 1)",
-        description="Train from a YAML config; KEY=VALUE overrides use dotted keys, e.g. train.batch_size=16.",
+        description="Train from a YAML config; KEY=VALUE overrides use dotted keys (train.batch_size=16).",
     )
     p.add_argument("--config", "-c", help="YAML config file (see configs/)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking.uri, sqlite:///mlflow.db)")

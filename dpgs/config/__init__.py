@@ -10,4 +10,12 @@ from dpgs.config.loader import (
 )
 from dpgs.config.schema import Config
 
-__all__ = ["Config", "ConfigError", "config_from_dict", "config_to_dict", "flatten", "load_config", "save_config"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "config_from_dict",
+    "config_to_dict",
+    "flatten",
+    "load_config",
+    "save_config",
+]

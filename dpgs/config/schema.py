@@ -19,7 +19,7 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    kind: Literal["features", "tiles"] = "features"
+    kind: Literal["features"] = "features"
     manifest: Path | None = None
     features_dir: Path | None = Field(None, description="feature bags (plain, CLAM or TRIDENT layout)")
     encoder: str | None = Field(None, description="TRIDENT features_<encoder> directory to use")
@@ -28,22 +28,11 @@ class DataConfig(Section):
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     cache_gb: float = Field(2.0, gt=0, description="bounded in-memory bag cache")
     prefetch: int = Field(2, ge=0, description="batches loaded ahead in a background thread")
-    # tile bags (data.kind=tiles)
-    slides_dir: Path | None = None
-    tiles_dir: Path | None = Field(None, description="h5 files with coords written by `dpgs tile`")
-    tiles_per_bag: int = Field(256, ge=1)
-    tile_size: int | None = Field(None, ge=8, description="resize tiles to this side (None: as tiled)")
-    augment: bool = True
 
 
 class ModelConfig(Section):
     name: str = "abmil"
     params: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters")
-    encoder: Literal["none", "resnet18", "resnet50"] = "none"
-    encoder_weights: Path | None = None
-    freeze_encoder: bool = False
-    big_stages: int = Field(3, ge=-1, le=4)
-    max_elements: int = Field(1 << 24, ge=1)
 
 
 class EarlyStoppingConfig(Section):
@@ -111,8 +100,6 @@ class DpgsConfig(Section):
     resume: Path | None = Field(None, description="DPGS checkpoint to continue from (set by --resume)")
     dashboard: bool = False
     object_store_gb: float | None = Field(None, gt=0)
-    sample_parallel: int = Field(1, ge=1, description="ranks per worker group for one huge input")
-    sample_grid: tuple[int, int] | None = None
 
 
 class Config(Section):
@@ -127,8 +114,6 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_data_sources(self) -> Config:
-        if self.data.kind == "features" and self.data.features_dir is None and self.data.manifest is not None:
+        if self.data.features_dir is None and self.data.manifest is not None:
             raise ValueError("data.features_dir is required when data.kind=features")
-        if self.data.kind == "tiles" and self.model.encoder == "none":
-            raise ValueError("model.encoder must be resnet18 or resnet50 when data.kind=tiles")
         return self

@@ -52,8 +52,10 @@ def encode_dgc(dense_sent: torch.Tensor) -> bytes:
     """DGC-style payload of the sent entries: header, int32 indices, fp32 values (no entropy coding)."""
     idx = torch.nonzero(dense_sent, as_tuple=True)[0]
     values = dense_sent[idx].numpy().astype("<f4")
-    return _DGC_HEADER.pack(DGC_MAGIC, dense_sent.numel(), idx.numel()) + idx.numpy().astype("<i4").tobytes() + (
-        values.tobytes()
+    return (
+        _DGC_HEADER.pack(DGC_MAGIC, dense_sent.numel(), idx.numel())
+        + idx.numpy().astype("<i4").tobytes()
+        + (values.tobytes())
     )
 
 

@@ -153,7 +153,9 @@ class DpgsEngine:
             if "before_submit" in self.hooks:
                 self.hooks["before_submit"](self, self.global_step)
             calls = {
-                rank: self.workers[rank].compute.remote(updates[rank], self.buffers, bags, self.global_step, keep)
+                rank: self.workers[rank].compute.remote(
+                    updates[rank], self.buffers, bags, self.global_step, keep
+                )
                 for rank, bags in pending.items()
             }
             if "after_submit" in self.hooks:
@@ -232,8 +234,9 @@ class DpgsEngine:
                 self.checkpoint(epoch, s + 1, history or [])
         self.skip_steps = 0
         ray.get(self.master.end_epoch.remote(), timeout=self.timeout)
-        for step, master_stats in zip(steps, ray.get([s["master_stats"] for s in steps], timeout=self.timeout),
-                                      strict=True):
+        for step, master_stats in zip(
+            steps, ray.get([s["master_stats"] for s in steps], timeout=self.timeout), strict=True
+        ):
             step["down_bytes"] = master_stats["down_bytes"] * step["receivers"]
             step["down_dense"] = master_stats["down_dense_bytes"] * step["receivers"]
         n_bags = sum(s["n_bags"] for s in steps)

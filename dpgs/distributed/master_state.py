@@ -77,14 +77,18 @@ class MasterState:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         update, enc = self.delta.update(flat_params(self.model), keep_ratio)
-        return update, merged, {
-            "step": self.step_count,
-            "grad_norm": grad_norm,
-            "decode_seconds": decode_seconds,
-            "master_seconds": time.perf_counter() - start,
-            "down_bytes": len(update),
-            "down_dense_bytes": enc["dense_bytes"],
-        }
+        return (
+            update,
+            merged,
+            {
+                "step": self.step_count,
+                "grad_norm": grad_norm,
+                "decode_seconds": decode_seconds,
+                "master_seconds": time.perf_counter() - start,
+                "down_bytes": len(update),
+                "down_dense_bytes": enc["dense_bytes"],
+            },
+        )
 
     def end_epoch(self) -> float:
         """Advance the LR schedule; returns the new learning rate."""

@@ -25,11 +25,15 @@ def find_checkpoint(target: str, tracking_uri: str) -> Path:
     try:
         run = MlflowClient(tracking_uri=tracking_uri).get_run(target)
     except MlflowException as err:
-        raise ConfigError(f"--resume {target}: neither a file, a directory nor an MLflow run id ({err})") from None
+        raise ConfigError(
+            f"--resume {target}: neither a file, a directory nor an MLflow run id ({err})"
+        ) from None
     out_dir = run.data.params.get("train.output_dir")
     candidate = Path(out_dir or "") / CHECKPOINT_NAME
     if not out_dir or not candidate.is_file():
-        raise ConfigError(f"--resume {target}: the run's output directory has no {CHECKPOINT_NAME} ({candidate})")
+        raise ConfigError(
+            f"--resume {target}: the run's output directory has no {CHECKPOINT_NAME} ({candidate})"
+        )
     return candidate
 
 

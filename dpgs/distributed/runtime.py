@@ -53,13 +53,17 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
     target = _cluster_address(address)
     hint = "Start one with `ray start --head` or `ray up configs/cluster.yaml`, or unset dpgs.address."
     if not target:
-        raise ClusterError(f"dpgs.address={address}: no Ray cluster found (no RAY_ADDRESS, no running cluster). {hint}")
+        raise ClusterError(
+            f"dpgs.address={address}: no Ray cluster found (no RAY_ADDRESS, no running cluster). {hint}"
+        )
     host, _, port = target.removeprefix("ray://").rpartition(":")
     try:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
             pass
     except (OSError, ValueError) as err:
-        raise ClusterError(f"dpgs.address={address}: no Ray cluster found at {target} ({err}). {hint}") from None
+        raise ClusterError(
+            f"dpgs.address={address}: no Ray cluster found at {target} ({err}). {hint}"
+        ) from None
 
 
 def connect(cfg: DpgsConfig) -> None:

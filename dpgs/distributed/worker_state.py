@@ -24,7 +24,14 @@ import torch
 
 from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.codec import GradientEncoder, VersionMismatch, apply_update
-from dpgs.distributed.flat import flat_buffers, flat_grads, flat_params, load_flat_buffers, load_flat_params, trainable
+from dpgs.distributed.flat import (
+    flat_buffers,
+    flat_grads,
+    flat_params,
+    load_flat_buffers,
+    load_flat_params,
+    trainable,
+)
 from dpgs.train.steps import batch_loss
 
 
@@ -66,9 +73,14 @@ class WorkerState:
         load_flat_params(self.model, new_flat)
 
     def compute(
-        self, update: bytes | None, buffers: torch.Tensor | None, indices: list[int], step: int, keep_ratio: float
+        self,
+        update: bytes | None,
+        buffers: torch.Tensor | None,
+        indices: list[int],
+        step: int,
+        keep_ratio: float,
     ) -> tuple[bytes, torch.Tensor | None, dict]:
-        """Apply ``update`` and ``buffers``, then return (gradient payload, buffers, stats) for ``indices``."""
+        """Apply ``update`` and ``buffers``; return (gradient payload, buffers, stats) for ``indices``."""
         start = time.perf_counter()
         down_link_seconds = 0.0
         if update is not None:
@@ -78,7 +90,12 @@ class WorkerState:
             except VersionMismatch as err:
                 return b"", None, {"rank": self.rank, "needs_resync": True, "reason": str(err)}
         load_flat_buffers(self.model, buffers)
-        stats: dict = {"rank": self.rank, "needs_resync": False, "version": self.version, "n_bags": len(indices)}
+        stats: dict = {
+            "rank": self.rank,
+            "needs_resync": False,
+            "version": self.version,
+            "n_bags": len(indices),
+        }
         if not indices:
             stats.update(compute_seconds=0.0, payload_bytes=0, dense_bytes=0, losses=[], slide_ids=[])
             return b"", None, stats

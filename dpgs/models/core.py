@@ -134,8 +134,15 @@ class ABMIL(MILHead):
 
     name = "abmil"
 
-    def __init__(self, in_dim, num_classes, hidden: int = 512, attn_dim: int = 128, gated: bool = True,
-                 dropout: float = 0.25):
+    def __init__(
+        self,
+        in_dim,
+        num_classes,
+        hidden: int = 512,
+        attn_dim: int = 128,
+        gated: bool = True,
+        dropout: float = 0.25,
+    ):
         super().__init__(in_dim, num_classes)
         self.embed = embedding(in_dim, hidden, dropout)
         self.attention = GatedAttention(hidden, attn_dim, 1, gated, dropout)
@@ -272,8 +279,13 @@ class DSMIL(MILHead):
         total = 0.5 * ce_bag + 0.5 * ce_max
         if class_weights is not None:
             total = total * class_weights.to(logits.device)[y]
-        return {"loss": total.mean(), "per_bag": total, "logits": logits, "ce": ce_bag.mean(),
-                "max_ce": ce_max.mean()}
+        return {
+            "loss": total.mean(),
+            "per_bag": total,
+            "logits": logits,
+            "ce": ce_bag.mean(),
+            "max_ce": ce_max.mean(),
+        }
 
     def instance_scores(self, x):
         return self.instance(self.embed(x)).softmax(-1)[:, -1]
@@ -289,9 +301,18 @@ class CLAM(MILHead):
     instances of the other classes' branches are negatives too. Bags shorter than 2k use k = N // 2.
     """
 
-    def __init__(self, in_dim, num_classes, hidden: int = 512, attn_dim: int = 256, k_sample: int = 8,
-                 bag_weight: float = 0.7, dropout: float = 0.25, multi_branch: bool = False,
-                 subtyping: bool = False):
+    def __init__(
+        self,
+        in_dim,
+        num_classes,
+        hidden: int = 512,
+        attn_dim: int = 256,
+        k_sample: int = 8,
+        bag_weight: float = 0.7,
+        dropout: float = 0.25,
+        multi_branch: bool = False,
+        subtyping: bool = False,
+    ):
         super().__init__(in_dim, num_classes)
         self.multi_branch = multi_branch
         self.branches = num_classes if multi_branch else 1
@@ -355,8 +376,9 @@ class CLAM(MILHead):
             return logits, {}
         inst = [
             self._instance_loss(hb, rb, yb)
-            for hb, rb, yb in zip(torch.split(h, lengths.tolist()), torch.split(raw, lengths.tolist()), y,
-                                  strict=True)
+            for hb, rb, yb in zip(
+                torch.split(h, lengths.tolist()), torch.split(raw, lengths.tolist()), y, strict=True
+            )
         ]
         return logits, {"instance": (1 - self.bag_weight) * torch.stack(inst)}
 
@@ -367,14 +389,36 @@ class CLAM(MILHead):
 class CLAMSB(CLAM):
     name = "clam_sb"
 
-    def __init__(self, in_dim, num_classes, hidden: int = 512, attn_dim: int = 256, k_sample: int = 8,
-                 bag_weight: float = 0.7, dropout: float = 0.25, subtyping: bool = False):
-        super().__init__(in_dim, num_classes, hidden, attn_dim, k_sample, bag_weight, dropout, False, subtyping)
+    def __init__(
+        self,
+        in_dim,
+        num_classes,
+        hidden: int = 512,
+        attn_dim: int = 256,
+        k_sample: int = 8,
+        bag_weight: float = 0.7,
+        dropout: float = 0.25,
+        subtyping: bool = False,
+    ):
+        super().__init__(
+            in_dim, num_classes, hidden, attn_dim, k_sample, bag_weight, dropout, False, subtyping
+        )
 
 
 class CLAMMB(CLAM):
     name = "clam_mb"
 
-    def __init__(self, in_dim, num_classes, hidden: int = 512, attn_dim: int = 256, k_sample: int = 8,
-                 bag_weight: float = 0.7, dropout: float = 0.25, subtyping: bool = False):
-        super().__init__(in_dim, num_classes, hidden, attn_dim, k_sample, bag_weight, dropout, True, subtyping)
+    def __init__(
+        self,
+        in_dim,
+        num_classes,
+        hidden: int = 512,
+        attn_dim: int = 256,
+        k_sample: int = 8,
+        bag_weight: float = 0.7,
+        dropout: float = 0.25,
+        subtyping: bool = False,
+    ):
+        super().__init__(
+            in_dim, num_classes, hidden, attn_dim, k_sample, bag_weight, dropout, True, subtyping
+        )

@@ -12,6 +12,7 @@ the end of an epoch is rescaled to the mean over the batches it holds and applie
 from __future__ import annotations
 
 import time
+
 import torch
 from tqdm.auto import tqdm
 
@@ -67,7 +68,13 @@ class LocalEngine:
         features = [b.features.to(self.device, non_blocking=True) for b in bags]
         labels = torch.tensor([b.label for b in bags], device=self.device)
         out = batch_loss(
-            self.model, features, labels, self.cfg.mode, self.class_weights, self.cfg.sample_size, self.sample_gen
+            self.model,
+            features,
+            labels,
+            self.cfg.mode,
+            self.class_weights,
+            self.cfg.sample_size,
+            self.sample_gen,
         )
         (out["loss"] / self.cfg.accumulation_steps).backward()
         self.pending += 1

@@ -94,7 +94,10 @@ class FoldTrainer:
 
     def _evaluate(self, model, indices: list[int], prefix: str) -> dict[str, float]:
         preds = predict(
-            model, iterate_bags(self.dataset, indices, self.config.data.prefetch), self.device, self.num_classes
+            model,
+            iterate_bags(self.dataset, indices, self.config.data.prefetch),
+            self.device,
+            self.num_classes,
         )
         return preds.metrics(prefix)
 
@@ -138,7 +141,12 @@ class FoldTrainer:
             elapsed_before = history[-1]["elapsed_seconds"] if history else 0.0
             for row in history:
                 if is_improvement(row.get(monitor), best_value, mode) or not val_idx:
-                    best_value, best_epoch, best_elapsed, stale = row.get(monitor), row["epoch"], row["elapsed_seconds"], 0
+                    best_value, best_epoch, best_elapsed, stale = (
+                        row.get(monitor),
+                        row["epoch"],
+                        row["elapsed_seconds"],
+                        0,
+                    )
                 else:
                     stale += 1
             print(f"[{self.split.name}] resumed from {cfg.dpgs.resume} at epoch {first_epoch}")
@@ -168,7 +176,9 @@ class FoldTrainer:
                 self._write_history(history)
                 if hasattr(engine, "checkpoint"):
                     engine.checkpoint(epoch + 1, 0, history)
-                summary = ", ".join(f"{k}={v:.4f}" for k, v in row.items() if k.startswith(("train_loss", "val_")))
+                summary = ", ".join(
+                    f"{k}={v:.4f}" for k, v in row.items() if k.startswith(("train_loss", "val_"))
+                )
                 print(f"[{self.split.name}] epoch {epoch}/{cfg.train.epochs} {summary}", flush=True)
                 if cfg.train.early_stopping.patience and stale >= cfg.train.early_stopping.patience:
                     print(f"[{self.split.name}] early stopping: no {monitor} improvement for {stale} epochs")
@@ -247,17 +257,23 @@ def run_training(config: Config) -> TrainingResult:
         tracker.log_metrics({"total_seconds": time.perf_counter() - start})
         tracker.end()
         return TrainingResult(tracker.run_id, [fold], fold.test_metrics)
-    parent = RunTracker.start(uri, experiment, config.tracking.run_name, {**tags, "dpgs.kfold_parent": "true"})
+    parent = RunTracker.start(
+        uri, experiment, config.tracking.run_name, {**tags, "dpgs.kfold_parent": "true"}
+    )
     parent.log_params(params)
     folds = []
     try:
         for split in data.splits:
             out_dir = root / split.name
             prepare_output_dir(config, out_dir, data.manifest.classes)
-            child = RunTracker.start(uri, experiment, split.name, {**tags, "dpgs.fold": split.name}, parent=parent)
+            child = RunTracker.start(
+                uri, experiment, split.name, {**tags, "dpgs.fold": split.name}, parent=parent
+            )
             child.log_params(params)
             try:
-                folds.append(FoldTrainer(config, data.dataset, data.manifest.classes, split, out_dir).run(child))
+                folds.append(
+                    FoldTrainer(config, data.dataset, data.manifest.classes, split, out_dir).run(child)
+                )
             except BaseException:
                 child.end("FAILED")
                 raise
