@@ -17,17 +17,37 @@ def add_parser(sub) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("out_dir", metavar="OUT_DIR", help="new, empty, or previous demo directory (replaced)")
-    p.add_argument("--bags", type=int, default=200, help="number of bags (default 200)")
+    p.add_argument("--bags", type=int, help="number of bags (default 200) or slides (default 8)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--classes", type=int, choices=(2, 4), default=2, help="2 (has a 9) or 4 (count of 9s)")
+    p.add_argument(
+        "--kind",
+        choices=("bags", "slides"),
+        default="bags",
+        help="bags: digits feature bags (default); slides: small synthetic pyramidal TIFF slides",
+    )
     return p
 
 
 def run(args) -> int:
     from dpgs.data.demo import read_summary, write_demo_data
 
+    if args.kind == "slides":
+        from dpgs.wsi.synthetic import write_synthetic_slides
+
+        try:
+            manifest = write_synthetic_slides(args.out_dir, n_slides=args.bags or 8, seed=args.seed)
+        except (ValueError, FileExistsError, OSError) as err:
+            print(f"dpgs demo-data: error: {err}", file=sys.stderr)
+            return 2
+        print(f"wrote synthetic slides to {manifest.parent / 'slides'} and {manifest}")
+        print(
+            f"tile them with: dpgs tile {manifest.parent / 'slides'} {manifest.parent / 'tiles'} "
+            "--tile-size 32"
+        )
+        return 0
     try:
-        manifest = write_demo_data(args.out_dir, bags=args.bags, seed=args.seed, classes=args.classes)
+        manifest = write_demo_data(args.out_dir, bags=args.bags or 200, seed=args.seed, classes=args.classes)
     except (ValueError, FileExistsError, OSError) as err:
         print(f"dpgs demo-data: error: {err}", file=sys.stderr)
         return 2

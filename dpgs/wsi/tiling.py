@@ -35,6 +35,7 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -439,9 +440,17 @@ def tile_directory(
                 bar.update(1)
         else:
             with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-                futures = [pool.submit(tile_one, path, out_dir, params) for path in todo]
+                futures = {pool.submit(tile_one, path, out_dir, params): path for path in todo}
                 for fut in as_completed(futures):
-                    outcomes.append(fut.result())
+                    try:
+                        outcomes.append(fut.result())
+                    except BrokenProcessPool as err:  # a worker died (killed, out of memory, bad __main__)
+                        path = futures[fut]
+                        outcomes.append(
+                            SlideOutcome(
+                                slide_id_of(path), str(path), "failed", error=f"{path}: worker died: {err}"
+                            )
+                        )
                     bar.update(1)
     finally:
         bar.close()
