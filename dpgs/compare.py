@@ -1,12 +1,32 @@
 """Side-by-side comparison of the runs of an MLflow experiment (``dpgs compare``).
 
-For every top-level run (k-fold parents are summarised over their nested fold runs, shown as
-mean ± std) the table holds: mode, model, B, workers, keep ratio, best value of the metric, epoch at
-best, time to best (``elapsed_seconds`` at that epoch), time to target (first epoch whose metric
-reaches ``--target``; for metrics named ``*loss`` "reaches" means <=), bytes per step and compression
-ratio (DPGS runs), final test AUC and accuracy. Outputs: printed table, ``comparison.csv``,
-``comparison.md`` and ``metric_vs_time.png``, also logged as artifacts of a new run tagged
-``dpgs.kind=comparison`` (such runs are skipped by later comparisons).
+Input: the runs an experiment holds under the tracking contract of docs/architecture.md (per-epoch
+metrics logged with ``step = epoch``, ``elapsed_seconds`` the wall time since the run started, params
+from the flattened config). One row per top-level run; a k-fold parent (tag ``dpgs.kfold_parent``, or
+any run with nested runs) is one row summarising its nested fold runs, which are not listed on their own.
+Runs tagged ``dpgs.kind=comparison`` (earlier comparisons) are skipped.
+
+Per run, for the compared metric ``m`` (``val_auc`` by default; lower is better when its name ends in
+``loss``, higher otherwise):
+
+* ``best``: the best per-epoch value of ``m``; ``epoch_at_best``: the first epoch reaching it;
+  ``time_to_best_s``: ``elapsed_seconds`` at that epoch.
+* ``time_to_target_s``: ``elapsed_seconds`` at the first epoch with ``m >= target`` (``<=`` for losses);
+  ``reached``: how many of the row's runs got there ("1/1", "3/5").
+* ``bytes_per_step``: bytes sent up and down over the whole run divided by its optimizer steps,
+  ``sum_e (comm_bytes_up_e + comm_bytes_down_e) / sum_e steps_e``, with ``steps_e`` the per-epoch
+  ``optimizer_steps`` metric, else the ``steps_per_epoch`` param; runs that only logged
+  ``comm_bytes_per_step`` use its mean over epochs.
+* ``compression_ratio``: dense bytes over bytes sent for the whole run,
+  ``sum_e comm_dense_bytes_e / sum_e (comm_bytes_up_e + comm_bytes_down_e)``, else the mean of the
+  per-epoch ``compression_ratio``.
+* ``test_auc``, ``test_acc``: the final test metrics.
+
+K-fold rows hold the mean over the folds that have a value and, in ``<column>_std``, the population
+standard deviation (``numpy.std``, as the trainer's ``cv_std_test_*``); ``time_to_target_s`` is the mean
+over the folds that reached the target. Outputs: the printed Markdown table, ``comparison.csv``,
+``comparison.md`` and ``metric_vs_time.png`` (the metric against wall time, one line per run, folds in
+their parent's colour), all logged as artifacts of a new run tagged ``dpgs.kind=comparison``.
 """
 
 from __future__ import annotations
@@ -21,199 +41,326 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from mlflow.entities import Run, ViewType  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-COLUMNS = [
+COMPARISON_TAG = "dpgs.kind"
+COMPARISON_KIND = "comparison"
+PARENT_TAG = "mlflow.parentRunId"
+KFOLD_TAG = "dpgs.kfold_parent"
+FILES = ("comparison.csv", "comparison.md", "metric_vs_time.png")
+
+# Per-run numeric summaries; k-fold rows show each as mean ± std over the folds.
+NUMERIC = (
+    "best",
+    "epoch_at_best",
+    "time_to_best_s",
+    "time_to_target_s",
+    "bytes_per_step",
+    "compression_ratio",
+    "test_auc",
+    "test_acc",
+)
+COLUMNS = (
     "run",
+    "status",
     "mode",
     "model",
     "B",
     "workers",
     "keep",
+    "folds",
     "best",
     "epoch_at_best",
     "time_to_best_s",
     "time_to_target_s",
-    "test_auc",
-    "test_acc",
+    "reached",
     "bytes_per_step",
     "compression_ratio",
-]
+    "test_auc",
+    "test_acc",
+)
+HEADERS = {
+    "best": "best {metric}",
+    "epoch_at_best": "epoch at best",
+    "time_to_best_s": "time to best (s)",
+    "time_to_target_s": "time to target (s)",
+    "bytes_per_step": "bytes/step",
+    "compression_ratio": "compression",
+}
 
 
 class CompareError(ValueError):
-    """The experiment does not exist or has nothing to compare."""
+    """The experiment does not exist, has no runs, or none of its runs logged the metric."""
 
 
 @dataclass
 class Curve:
-    steps: list[int]
+    """One run's per-epoch values of a metric with the wall time (``elapsed_seconds``) of each epoch."""
+
+    epochs: list[int]
     values: list[float]
     times: list[float]
 
 
-def _curve(client: MlflowClient, run_id: str, metric: str) -> Curve:
-    values = {m.step: m.value for m in client.get_metric_history(run_id, metric)}
-    times = {m.step: m.value for m in client.get_metric_history(run_id, "elapsed_seconds")}
-    steps = sorted(s for s in values if s in times)
-    return Curve(steps, [values[s] for s in steps], [times[s] for s in steps])
+def lower_is_better(metric: str) -> bool:
+    return metric.endswith("loss")
 
 
-def _better(metric: str):
-    return (lambda a, b: a < b) if metric.endswith("loss") else (lambda a, b: a > b)
+def _history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
+    """step -> value; when a step was logged twice (a resumed run) the later value wins."""
+    points = sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp))
+    return {m.step: m.value for m in points}
 
 
-def summarise_curve(curve: Curve, metric: str, target: float | None) -> dict:
-    """best, epoch at best, time to best, time to target of one run's per-epoch curve."""
-    if not curve.steps:
-        return {
-            "best": math.nan,
-            "epoch_at_best": math.nan,
-            "time_to_best_s": math.nan,
-            "time_to_target_s": math.nan,
-        }
-    better = _better(metric)
-    best_i = 0
-    for i, v in enumerate(curve.values):
-        if better(v, curve.values[best_i]):
-            best_i = i
-    reached = math.nan
+def load_curve(client: MlflowClient, run_id: str, metric: str) -> Curve:
+    values = _history(client, run_id, metric)
+    times = _history(client, run_id, "elapsed_seconds")
+    epochs = sorted(e for e in values if e in times)
+    return Curve(epochs, [values[e] for e in epochs], [times[e] for e in epochs])
+
+
+def summarise_curve(curve: Curve, metric: str, target: float | None) -> dict[str, float]:
+    """best, epoch at best (first epoch reaching it), time to best and time to target of one curve."""
+    out = {
+        "best": math.nan,
+        "epoch_at_best": math.nan,
+        "time_to_best_s": math.nan,
+        "time_to_target_s": math.nan,
+        "reached": math.nan,
+    }
+    if not curve.epochs:
+        return out
+    values = np.asarray(curve.values, dtype=float)
+    i = int(np.argmin(values) if lower_is_better(metric) else np.argmax(values))
+    out.update(best=float(values[i]), epoch_at_best=float(curve.epochs[i]), time_to_best_s=curve.times[i])
     if target is not None:
-        for v, t in zip(curve.values, curve.times, strict=True):
-            if (v <= target) if metric.endswith("loss") else (v >= target):
-                reached = t
-                break
+        hits = values <= target if lower_is_better(metric) else values >= target
+        out["reached"] = float(hits.any())
+        if hits.any():
+            out["time_to_target_s"] = curve.times[int(np.argmax(hits))]
+    return out
+
+
+def communication(client: MlflowClient, run: Run) -> dict[str, float]:
+    """Whole-run bytes per optimizer step and compression ratio (NaN for runs without DPGS traffic)."""
+    run_id = run.info.run_id
+    up, down = _history(client, run_id, "comm_bytes_up"), _history(client, run_id, "comm_bytes_down")
+    epochs = sorted(set(up) & set(down))
+    sent = sum(up[e] + down[e] for e in epochs)
+    steps_logged = _history(client, run_id, "optimizer_steps")
+    steps_param = run.data.params.get("steps_per_epoch")
+    if epochs and all(e in steps_logged for e in epochs):
+        steps = sum(steps_logged[e] for e in epochs)
+    elif epochs and steps_param is not None:
+        steps = int(steps_param) * len(epochs)
+    else:
+        steps = 0
+    if steps > 0:
+        per_step = sent / steps
+    else:
+        logged = list(_history(client, run_id, "comm_bytes_per_step").values())
+        per_step = float(np.mean(logged)) if logged else math.nan
+    dense = _history(client, run_id, "comm_dense_bytes")
+    if epochs and sent > 0 and all(e in dense for e in epochs):
+        ratio = sum(dense[e] for e in epochs) / sent
+    else:
+        logged = list(_history(client, run_id, "compression_ratio").values())
+        ratio = float(np.mean(logged)) if logged else math.nan
+    return {"bytes_per_step": per_step, "compression_ratio": ratio}
+
+
+def _search_all(client: MlflowClient, experiment_id: str) -> list[Run]:
+    runs, token = [], None
+    while True:
+        page = client.search_runs(
+            [experiment_id],
+            run_view_type=ViewType.ACTIVE_ONLY,
+            max_results=1000,
+            order_by=["attributes.start_time ASC"],
+            page_token=token,
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _describe(run: Run, n_folds: int, kfold: bool) -> dict:
+    params = run.data.params
+    mode = params.get("train.mode", run.data.tags.get("dpgs.mode", "?"))
+    dpgs = mode == "dpgs"
     return {
-        "best": curve.values[best_i],
-        "epoch_at_best": curve.steps[best_i],
-        "time_to_best_s": curve.times[best_i],
-        "time_to_target_s": reached,
+        "run": run.info.run_name or run.info.run_id[:8],
+        "run_id": run.info.run_id,
+        "status": run.info.status,
+        "mode": mode,
+        "model": params.get("model.name", run.data.tags.get("dpgs.model", "?")),
+        "B": "1" if mode == "classic" else params.get("train.batch_size", "?"),
+        "workers": params.get("dpgs.workers", "?") if dpgs else "-",
+        "keep": params.get("dpgs.compression.keep_ratio", "?") if dpgs else "-",
+        "folds": n_folds if kfold else "-",
     }
 
 
-def _comm(client: MlflowClient, run) -> tuple[float, float]:
-    per_step = [m.value for m in client.get_metric_history(run.info.run_id, "comm_bytes_per_step")]
-    ratio = [m.value for m in client.get_metric_history(run.info.run_id, "compression_ratio")]
-    return (float(np.mean(per_step)) if per_step else math.nan, float(np.mean(ratio)) if ratio else math.nan)
+def _aggregate(row: dict, per_run: list[dict], kfold: bool, target: float | None) -> None:
+    """Mean (and for k-fold rows the population std) of every numeric summary over the row's runs."""
+    for key in NUMERIC:
+        values = np.array([r[key] for r in per_run], dtype=float)
+        values = values[np.isfinite(values)]
+        row[key] = float(values.mean()) if values.size else math.nan
+        if kfold:
+            row[f"{key}_std"] = float(values.std()) if values.size else math.nan
+    reached = [r["reached"] for r in per_run if not math.isnan(r["reached"])]
+    row["reached"] = f"{int(sum(reached))}/{len(per_run)}" if target is not None and per_run else "-"
 
 
 def compare(
     tracking_uri: str, experiment: str, metric: str = "val_auc", target: float | None = None
 ) -> list[dict]:
+    """The comparison rows of ``experiment`` (see the module docstring); each row keeps its curves."""
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
-        names = ", ".join(e.name for e in client.search_experiments()) or "none"
-        raise CompareError(f"experiment '{experiment}' not found at {tracking_uri} (experiments: {names})")
-    runs = client.search_runs(
-        [found.experiment_id], order_by=["attributes.start_time ASC"], max_results=10000
-    )
-    runs = [r for r in runs if r.data.tags.get("dpgs.kind") != "comparison"]
-    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+        names = ", ".join(sorted(e.name for e in client.search_experiments())) or "none"
+        raise CompareError(
+            f"experiment '{experiment}' not found at {tracking_uri} (experiments there: {names})"
+        )
+    runs = [
+        r
+        for r in _search_all(client, found.experiment_id)
+        if r.data.tags.get(COMPARISON_TAG) != COMPARISON_KIND
+    ]
+    ids = {r.info.run_id for r in runs}
+    children: dict[str, list[Run]] = {}
+    for r in runs:
+        parent = r.data.tags.get(PARENT_TAG)
+        if parent in ids:
+            children.setdefault(parent, []).append(r)
+    top = [r for r in runs if r.data.tags.get(PARENT_TAG) not in ids]
     if not top:
-        raise CompareError(f"experiment '{experiment}' has no runs to compare")
+        raise CompareError(f"experiment '{experiment}' at {tracking_uri} has no runs to compare")
     rows = []
     for run in top:
-        params = run.data.params
-        row = {
-            "run": run.info.run_name or run.info.run_id[:8],
-            "run_id": run.info.run_id,
-            "mode": params.get("train.mode", "?"),
-            "model": params.get("model.name", "?"),
-            "B": 1 if params.get("train.mode") == "classic" else params.get("train.batch_size", "?"),
-            "workers": params.get("dpgs.workers", "-") if params.get("train.mode") == "dpgs" else "-",
-            "keep": params.get("dpgs.compression.keep_ratio", "-")
-            if params.get("train.mode") == "dpgs"
-            else "-",
-        }
-        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == run.info.run_id]
-        members = children or [run]
-        stats = [summarise_curve(_curve(client, m.info.run_id, metric), metric, target) for m in members]
-        comm = [_comm(client, m) for m in members]
-        for key in ("best", "epoch_at_best", "time_to_best_s", "time_to_target_s"):
-            values = np.array([s[key] for s in stats], dtype=float)
-            row[key] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
-            if children:
-                row[key + "_std"] = float(np.nanstd(values)) if np.isfinite(values).any() else math.nan
-        row["bytes_per_step"] = (
-            float(np.nanmean([c[0] for c in comm])) if any(np.isfinite(c[0]) for c in comm) else math.nan
-        )
-        row["compression_ratio"] = (
-            float(np.nanmean([c[1] for c in comm])) if any(np.isfinite(c[1]) for c in comm) else math.nan
-        )
-        for key in ("test_auc", "test_acc"):
-            values = [m.data.metrics.get(key, math.nan) for m in members]
-            row[key] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
-            if children:
-                row[key + "_std"] = float(np.nanstd(values)) if np.isfinite(values).any() else math.nan
-        row["folds"] = len(children)
-        row["curves"] = [_curve(client, m.info.run_id, metric) for m in members]
+        kids = children.get(run.info.run_id, [])
+        kfold = bool(kids) or run.data.tags.get(KFOLD_TAG) == "true"
+        members = kids if kfold else [run]
+        row = _describe(run, len(kids), kfold)
+        curves = [load_curve(client, m.info.run_id, metric) for m in members]
+        per_run = [
+            {
+                **summarise_curve(c, metric, target),
+                **communication(client, m),
+                "test_auc": m.data.metrics.get("test_auc", math.nan),
+                "test_acc": m.data.metrics.get("test_acc", math.nan),
+            }
+            for m, c in zip(members, curves, strict=True)
+        ]
+        _aggregate(row, per_run, kfold, target)
+        row["curves"] = [
+            (m.info.run_name or m.info.run_id[:8], c) for m, c in zip(members, curves, strict=True)
+        ]
         rows.append(row)
+    if not any(c.epochs for row in rows for _, c in row["curves"]):
+        logged = sorted({k for r in runs for k in r.data.metrics})
+        raise CompareError(
+            f"no run of experiment '{experiment}' logged the per-epoch metric '{metric}' together with "
+            f"elapsed_seconds (metrics logged: {', '.join(logged) or 'none'})"
+        )
     return rows
 
 
-def _cell(row: dict, key: str) -> str:
+def format_cell(row: dict, key: str) -> str:
+    """A table cell: 4 significant digits, '± std' on k-fold rows, '-' for missing values."""
     value = row[key]
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        text = f"{value:.4g}"
-        if f"{key}_std" in row and not math.isnan(row[f"{key}_std"]):
-            text += f" ± {row[key + '_std']:.2g}"
-        return text
-    return str(value)
+    if not isinstance(value, float):
+        return str(value)
+    if math.isnan(value):
+        return "-"
+    text = f"{value:.4g}"
+    std = row.get(f"{key}_std", math.nan)
+    if not math.isnan(std):
+        text += f" ± {std:.2g}"
+    return text
 
 
 def to_markdown(rows: list[dict], metric: str) -> str:
-    header = [c if c != "best" else f"best {metric}" for c in COLUMNS]
+    header = [HEADERS.get(c, c).format(metric=metric) for c in COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r, c) for c in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(format_cell(r, c) for c in COLUMNS) + " |" for r in rows]
     return "\n".join(lines)
 
 
-def write_outputs(rows: list[dict], metric: str, out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    csv_path, md_path, png_path = (
-        out_dir / "comparison.csv",
-        out_dir / "comparison.md",
-        out_dir / "metric_vs_time.png",
-    )
-    with csv_path.open("w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["run_id", *COLUMNS, "folds"])
-        for r in rows:
-            writer.writerow([r["run_id"], *[r[c] for c in COLUMNS], r["folds"]])
-    md_path.write_text(to_markdown(rows, metric) + "\n")
+def write_csv(rows: list[dict], path: Path) -> None:
+    """One line per row: raw numbers (empty when missing) and, for k-fold rows, ``<column>_std``."""
+    fields = ["run_id", *COLUMNS, *(f"{k}_std" for k in NUMERIC)]
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            values = {k: row.get(k, math.nan) for k in fields}
+            writer.writerow(
+                {k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()}
+            )
+
+
+def plot_metric_vs_time(rows: list[dict], metric: str, target: float | None, path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        for i, curve in enumerate(r["curves"]):
-            if curve.steps:
+    for i, row in enumerate(rows):
+        for j, (_, curve) in enumerate(row["curves"]):
+            if curve.epochs:
                 ax.plot(
                     curve.times,
                     curve.values,
                     marker="o",
                     markersize=3,
-                    label=r["run"] if i == 0 else None,
-                    color=f"C{rows.index(r) % 10}",
+                    color=f"C{i % 10}",
+                    label=row["run"] if j == 0 else None,
                 )
-    ax.set_xlabel("wall time (s)")
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:g}")
+    ax.set_xlabel("wall time, elapsed_seconds (s)")
     ax.set_ylabel(metric)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_outputs(
+    rows: list[dict], metric: str, out_dir: Path, target: float | None = None, title: str = ""
+) -> list[Path]:
+    """``comparison.csv``, ``comparison.md`` and ``metric_vs_time.png`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, md_path, png_path = (out_dir / name for name in FILES)
+    write_csv(rows, csv_path)
+    md_path.write_text(to_markdown(rows, metric) + "\n")
+    plot_metric_vs_time(rows, metric, target, png_path, title)
     return [csv_path, md_path, png_path]
 
 
-def log_comparison(tracking_uri: str, experiment: str, metric: str, files: list[Path]) -> str:
+def log_comparison(
+    tracking_uri: str, experiment: str, metric: str, target: float | None, files: list[Path], n_rows: int
+) -> str:
+    """A new run of ``experiment`` tagged ``dpgs.kind=comparison`` holding ``files`` as artifacts."""
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     run = client.create_run(
         exp.experiment_id,
         run_name=f"compare-{metric}",
-        tags={"dpgs.kind": "comparison", "dpgs.metric": metric},
+        tags={COMPARISON_TAG: COMPARISON_KIND, "dpgs.metric": metric},
     )
-    for path in files:
-        client.log_artifact(run.info.run_id, str(path))
-    client.set_terminated(run.info.run_id)
-    return run.info.run_id
+    run_id = run.info.run_id
+    try:
+        client.log_param(run_id, "compare.metric", metric)
+        client.log_param(run_id, "compare.target", "none" if target is None else f"{target:g}")
+        client.log_param(run_id, "compare.rows", n_rows)
+        for path in files:
+            client.log_artifact(run_id, str(path))
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    client.set_terminated(run_id)
+    return run_id

@@ -1,34 +1,154 @@
-"""Cluster-launcher configs validate against Ray's own schema; the Dockerfile installs like the README."""
+"""Cluster-launcher configs against Ray's own schema; one set of install commands everywhere.
+
+The install commands are the block between ``<!-- install-commands -->`` and ``<!-- /install-commands -->``
+in README.md (docs/cluster.md while the README has no such block). docker/Dockerfile and the configs'
+``setup_commands`` must run exactly those ``python3 -m pip`` commands, in the same order.
+"""
+
+from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
+from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.scripts.scripts import start as ray_start
 
 ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ["cluster.yaml", "cluster-aws.yaml"]
+BLOCK = re.compile(
+    r"<!-- install-commands -->\s*```(?:bash|sh)?\n(.*?)```\s*<!-- /install-commands -->", re.S
+)
 
 
-@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])
-def test_cluster_config_validates_against_ray_schema(name):
-    config = yaml.safe_load((ROOT / "configs" / name).read_text())
-    validate_config(prepare_config(config))
-    assert any("--shm-size" in opt for opt in config["docker"]["run_options"])
-    head = " ".join(config["head_start_ray_commands"])
-    assert "--dashboard-host=127.0.0.1" in head and "RAY_AUTH_MODE=token" in head
+def load(name: str) -> dict:
+    return yaml.safe_load((ROOT / "configs" / name).read_text())
 
 
-def test_broken_cluster_config_is_rejected():
-    config = yaml.safe_load((ROOT / "configs" / "cluster.yaml").read_text())
-    config["docker"]["pull_before_run"] = "sometimes"
-    with pytest.raises(Exception, match="sometimes"):
-        validate_config(config)
+def install_block() -> tuple[Path, str]:
+    for path in (ROOT / "README.md", ROOT / "docs" / "cluster.md"):
+        match = BLOCK.search(path.read_text())
+        if match:
+            return path, match.group(1)
+    raise AssertionError("no <!-- install-commands --> block in README.md or docs/cluster.md")
 
 
-def test_dockerfile_installs_torch_first_then_dpgs_like_the_readme():
-    docker = (ROOT / "docker" / "Dockerfile").read_text()
-    readme = (ROOT / "README.md").read_text()
-    installs = re.findall(r"pip install ([^\\\n&]+)", docker)
-    assert installs[1].startswith('"${TORCH_SPEC}"') and installs[2].strip() == "-e ."
-    assert "install `torch==2.13.0` first" in readme and "pip install -e .[dev]" in readme
+def commands(lines: list[str]) -> list[list[str]]:
+    """Shell commands (split on ';' and '&&', comments dropped) as token lists."""
+    out = []
+    for line in lines:
+        for part in re.split(r"&&|;", line):
+            tokens = shlex.split(part, comments=True)
+            if tokens:
+                out.append(tokens)
+    return out
+
+
+def pip_commands(lines: list[str]) -> list[list[str]]:
+    return [c for c in commands(lines) if c[:3] == ["python3", "-m", "pip"]]
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of docker/Dockerfile, continuation lines joined, comments dropped."""
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [tuple(ln.strip().split(None, 1)) for ln in joined.splitlines() if ln.strip()]
+
+
+def docker_args() -> dict[str, str]:
+    args = {}
+    for op, rest in dockerfile():
+        if op == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+    return args
+
+
+def exports(block: str) -> dict[str, str]:
+    return dict(c[1].split("=", 1) for c in commands(block.splitlines()) if c[0] == "export" and "=" in c[1])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_validates_against_ray_schema(name):
+    config = load(name)
+    prepared = prepare_config(config)  # what `ray up` does before validating (defaults, node types)
+    validate_config(prepared)
+    assert prepared["head_node_type"] in prepared["available_node_types"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_typos_are_rejected_by_the_schema(name):
+    config = load(name)
+    config["setup_command"] = config.pop("setup_commands")
+    with pytest.raises(ValidationError, match="setup_command"):
+        validate_config(prepare_config(config))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ray_start_commands_parse_and_keep_the_dashboard_local(name):
+    config = load(name)
+    for key, head in (("head_start_ray_commands", True), ("worker_start_ray_commands", False)):
+        starts = [c for c in commands(config[key]) if c[:2] == ["ray", "start"]]
+        assert len(starts) == 1, key
+        params = ray_start.make_context("start", starts[0][2:]).params  # unknown flags raise here
+        assert params["head"] is head
+        if head:
+            assert params["dashboard_host"] == "127.0.0.1" and params["port"] == 6379
+        else:
+            assert params["address"] == "$RAY_HEAD_IP:6379"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_docker_shm_token_auth_and_images(name):
+    config = load(name)
+    options = " ".join(config["docker"]["run_options"])
+    shm = re.search(r"--shm-size=(\d+)g", options)
+    assert shm and int(shm.group(1)) >= 8  # Ray's object store lives in /dev/shm
+    assert "-e RAY_AUTH_MODE=token" in options
+    token = Path(re.search(r"-e RAY_AUTH_TOKEN_PATH=(\S+)", options).group(1))
+    assert str(token.parent) in config["file_mounts"]  # the token file reaches every container
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    images = {v for k, v in config["docker"].items() if k.endswith("image")}
+    assert images and all(f"docker push {image}" in docs for image in images)
+    assert config["file_mounts"]["/opt/dpgs-src"] == "."
+
+
+def test_dockerfile_builds_cuda_by_default_and_cpu_by_argument():
+    steps = dockerfile()
+    assert steps[0] == ("ARG", "BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04")
+    assert steps[1] == ("FROM", "${BASE_IMAGE}")
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    used = set(re.findall(r"--build-arg (\w+)=", docs))
+    assert used == {"BASE_IMAGE", "TORCH_INDEX_URL"} and used <= set(docker_args())
+    env = next(rest for op, rest in steps if op == "ENV")
+    assert "TORCH_SPEC=${TORCH_SPEC}" in env and "TORCH_INDEX_URL=${TORCH_INDEX_URL}" in env
+
+
+def test_dockerfile_and_configs_install_like_the_readme():
+    source, block = install_block()
+    expected = pip_commands(block.splitlines())
+    assert [c[3:] for c in expected] == [
+        ["install", "--upgrade", "pip"],
+        ["install", "$TORCH_SPEC", "--index-url", "$TORCH_INDEX_URL"],  # torch first
+        ["install", "."],
+    ], source
+    runs = [rest for op, rest in dockerfile() if op == "RUN"]
+    assert pip_commands(runs) == expected
+    for name in CONFIGS:
+        assert pip_commands(load(name)["setup_commands"]) == expected, name
+    # the same torch pin in the install block, the image and the Makefile
+    pins = {exports(block)["TORCH_SPEC"], docker_args()["TORCH_SPEC"]}
+    pins.add(re.search(r"^TORCH_SPEC \?= (\S+)", (ROOT / "Makefile").read_text(), re.M).group(1))
+    assert pins == {"torch==2.13.0"}
+
+
+def test_dockerfile_installs_torch_before_copying_dpgs():
+    steps = dockerfile()
+    torch = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and "$TORCH_SPEC" in rest)
+    first_copy = next(i for i, (op, _) in enumerate(steps) if op == "COPY")
+    dpgs = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and rest.endswith("pip install ."))
+    assert torch < first_copy < dpgs  # code changes do not invalidate the torch layer
