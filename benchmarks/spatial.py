@@ -12,6 +12,8 @@ the single-process big-layer model (``dpgs.biglayers.resnet18``, no Ray) and the
 * weak scaling: image height ``size * G`` (area proportional to G), so every rank owns a ``size x size``
   band. Efficiency = T(G=1) / T(G) (ideal: constant step time); throughput in megapixels per second.
 
+"step s" is the driver's wall time of ``group.compute`` (Ray calls, the input bands going out and the
+flat gradient coming back included); "rank s" is the slowest rank's own forward + backward + all-reduce.
 Halo bytes are the activation rows (forward) and their gradients (backward) sent between ranks per step,
 summed over the ranks; gather = downsampled activation to rank 0 and its gradient back; all-reduce =
 partitioned weight gradients plus BatchNorm statistics.
@@ -58,12 +60,15 @@ def _local(spec: SpatialModelSpec, x: torch.Tensor, y: torch.Tensor, steps: int)
 def _group(spec: SpatialModelSpec, ranks: int, x: torch.Tensor, y: torch.Tensor, steps: int):
     with SampleParallelGroup(spec, ranks, threads=1, call_timeout_s=600) as group:
         last: dict = {}
+        slowest_rank: list[float] = []
 
         def step():
             _, stats = group.compute(x, y)
             last.update(stats)
+            slowest_rank.append(max(stats["rank_seconds"]))
 
-        return _median_step(step, steps), last
+        total = _median_step(step, steps)
+        return total, statistics.median(slowest_rank[1:]), last
 
 
 def main(argv=None) -> int:
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
     spec = SpatialModelSpec("resnet18", partitioned_stages=args.stages, num_classes=2)
     y = torch.tensor([1])
     ranks = list(range(1, args.max_ranks + 1))
-    header = ["run", "image", "ranks", "step s", "img/s", "Mpx/s", "speed-up", "efficiency",
+    header = ["run", "image", "ranks", "step s", "rank s", "img/s", "Mpx/s", "speed-up", "efficiency",
               "halo MB/step", "gather MB/step", "all-reduce MB/step"]
     sections = []
     for mode in ("strong", "weak"):
@@ -86,16 +91,16 @@ def main(argv=None) -> int:
         x1 = torch.randn(1, 3, args.size, args.size)
         local = _local(spec, x1, y, args.steps)
         mpx = args.size * args.size / 1e6
-        rows.append(["big layers, 1 process", f"{args.size}x{args.size}", "1", fmt(local), fmt(1 / local),
+        rows.append(["big layers, 1 process", f"{args.size}x{args.size}", "1", fmt(local), "", fmt(1 / local),
                      fmt(mpx / local), "", "", "0", "0", "0"])
         for g in ranks:
             h = args.size * (g if mode == "weak" else 1)
             x = torch.randn(1, 3, h, args.size)
-            t, st = _group(spec, g, x, y, args.steps)
+            t, rank_t, st = _group(spec, g, x, y, args.steps)
             base = base or t
             speed = base / t
             eff = speed / g if mode == "strong" else base / t
-            rows.append([f"group G={g}", f"{h}x{args.size}", str(g), fmt(t), fmt(1 / t),
+            rows.append([f"group G={g}", f"{h}x{args.size}", str(g), fmt(t), fmt(rank_t), fmt(1 / t),
                          fmt(h * args.size / 1e6 / t), fmt(speed, ".2f") if mode == "strong" else "",
                          fmt(eff, ".2f"), fmt(st["halo_bytes"] / 1e6, ".2f"),
                          fmt(st["gather_bytes"] / 1e6, ".2f"),

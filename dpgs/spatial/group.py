@@ -65,7 +65,8 @@ class SpatialRank:
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU(s) as CUDA_VISIBLE_DEVICES
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{host}:{port}",
-                                rank=self.rank, world_size=self.grid.size, timeout=timedelta(seconds=timeout_s))
+                                rank=self.rank, world_size=self.grid.size,
+                                timeout=timedelta(seconds=timeout_s))
         self.state = RankState(self.rank, self.grid, self.spec, "cuda:0" if device == "cuda" else "cpu")
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node": ctx.get_node_id(), "pid": os.getpid(),
@@ -151,13 +152,14 @@ class SampleParallelGroup:
     # lifecycle -----------------------------------------------------------------------------------
     def _get(self, refs: list, timeout_s: float | None = None) -> list:
         """``ray.get`` of ``refs`` with one deadline; the first failure is raised as soon as it is known."""
-        deadline = time.monotonic() + (timeout_s or self.call_timeout_s)
+        limit = timeout_s or self.call_timeout_s
+        deadline = time.monotonic() + limit
         pending = list(refs)
         while pending:
             left = deadline - time.monotonic()
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
             if not ready:
-                raise GetTimeoutError(f"sample-parallel group: no answer within {timeout_s or self.call_timeout_s}s")
+                raise GetTimeoutError(f"sample-parallel group: no answer within {limit}s")
             ray.get(ready[0])
         return ray.get(refs)
 
@@ -166,12 +168,17 @@ class SampleParallelGroup:
         self.actors = [
             SpatialRank.options(
                 num_cpus=self.resources.cpus, num_gpus=self.resources.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement, placement_group_bundle_index=r),
             ).remote(r, self.grid, self.spec, self.device, self.resources.threads)
             for r in range(self.grid.size)
         ]
-        host, port = self._get([self.actors[0].rendezvous.remote()])[0]
-        self.where = self._get([a.setup.remote(host, port, self.call_timeout_s) for a in self.actors])
+        try:
+            host, port = self._get([self.actors[0].rendezvous.remote()])[0]
+            self.where = self._get([a.setup.remote(host, port, self.call_timeout_s) for a in self.actors])
+        except BaseException:
+            self._teardown()  # no half-started group stays behind
+            raise
         if self.device == "cuda":
             seen: dict[tuple[str, str], int] = {}
             for w in self.where:
@@ -301,8 +308,8 @@ class SampleParallelGroup:
                     raise  # every rank is alive: a genuine error, retrying would not help
                 if restarts >= self.max_restarts:
                     self._teardown()
-                    raise GroupFailure(f"sample-parallel step {step} failed {restarts + 1} times; last error: "
-                                       f"{type(err).__name__}: {err}") from err
+                    raise GroupFailure(f"sample-parallel step {step} failed {restarts + 1} times; last "
+                                       f"error: {type(err).__name__}: {err}") from err
                 restarts += 1
                 self._rebuild()
         root = results[0]

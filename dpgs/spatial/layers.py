@@ -186,8 +186,8 @@ class DistBatchNorm2dFunction(torch.autograd.Function):
                 c0 = -a * g1 / count - b * mean
                 a_s, b_s, c_s = _col(a, sdt), _col(b, sdt), _col(c0, sdt)
                 grad_x = torch.empty_like(x)
-                for s, (xs, gys) in zip(strips, channel.load([_band(x, s), _band(grad_out, s)] for s in strips),
-                                        strict=True):
+                jobs = ([_band(x, s), _band(grad_out, s)] for s in strips)
+                for s, (xs, gys) in zip(strips, channel.load(jobs), strict=True):
                     dx = torch.addcmul(c_s, xs.to(sdt), b_s).addcmul_(gys.to(sdt), a_s)
                     channel.store(dx, _band(grad_x, s))
                 channel.finish()
@@ -196,7 +196,7 @@ class DistBatchNorm2dFunction(torch.autograd.Function):
 
 def allreduce_grads(params: list[torch.Tensor], sc: SpatialContext) -> None:
     """Sum the gradients of ``params`` over all ranks, in one flat all-reduce (missing grads count as 0)."""
-    if not params:
+    if not params or sc.grid.size == 1:
         return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     flat = _all_reduce(flat, sc, "grad_bytes")
