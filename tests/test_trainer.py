@@ -169,3 +169,17 @@ def test_cli_train_then_eval(bags, tmp_path, capsys):
 def test_cli_rejects_unknown_key(capsys):
     assert main(["train", "train.batch_sz=4"]) == 2
     assert "train.batch_sz: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["abmil", "meanmil", "maxmil", "clam_sb", "clam_mb", "dsmil", "transmil",
+                                  "dtfd", "acmil", "rrtmil"])
+def test_every_head_trains_through_every_applicable_mode(bags, tmp_path, name):
+    from dpgs.models import HEADS
+
+    modes = ["classic", "sampling", "packed"] + (["padding"] if HEADS[name].supports_mask else [])
+    for mode in modes:
+        cfg = make_config(*bags, tmp_path / f"{name}-{mode}", f"train.mode={mode}", f"model.name={name}",
+                          "train.epochs=1", "train.batch_size=4", "train.sample_size=8")
+        fold = run_training(cfg).folds[0]
+        assert fold.history[0]["train_loss"] == fold.history[0]["train_loss"], (name, mode)  # not NaN
+        assert (tmp_path / f"{name}-{mode}" / "best.pt").is_file()
