@@ -31,12 +31,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import h5py
 import numpy as np
+
+from dpgs.staging import staged_directory
 
 NINE = 9
 MEDIAN_LENGTH = 24
@@ -199,20 +199,8 @@ def write_demo_data(out_dir: str | Path, bags: int = 200, seed: int = 0, classes
         )
     out_dir = Path(out_dir)
     _check_target(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as tmp:
         _write(tmp, bags, seed, classes)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            out_dir.rename(old / "previous")
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir / "manifest.csv"
 
 

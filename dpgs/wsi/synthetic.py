@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from dpgs.staging import staged_directory
 
 MARKER = "demo_slides.json"
 SPLITS = ("train", "val", "test")
@@ -187,9 +187,7 @@ def write_synthetic_slides(
         )
     out_dir = Path(out_dir)
     _check_target(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as tmp:
         (tmp / "slides").mkdir()
         labels = [i % 2 for i in range(n_slides)]
         counts = {c: labels.count(c) for c in (0, 1)}
@@ -226,16 +224,6 @@ def write_synthetic_slides(
             "slides": info,
         }
         (tmp / MARKER).write_text(json.dumps(summary, indent=2))
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            out_dir.rename(old / "previous")
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir / "manifest.csv"
 
 
