@@ -110,7 +110,7 @@ def dataset_dirs(tmp_path, image):
 def test_dataset_bags_sampling_augmentation_and_prefetch(dataset_dirs, image):
     slides, tiles, records = dataset_dirs
     ds = TileBagDataset.from_records(records, slides, tiles, tiles_per_bag=8, tile_size=32, seed=3, threads=2)
-    assert ds.lengths() == [20, 30, 40]
+    assert ds.tile_counts() == [20, 30, 40] and ds.lengths() == [8, 8, 8]
     bag = ds[1]
     assert bag.slide_id == "s1" and bag.label == 1 and bag.tiles.shape == (8, 3, 32, 32)
     np.testing.assert_array_equal(bag.indices, sample_indices(30, 8, 3, 0, 1))

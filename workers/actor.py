@@ -32,5 +32,6 @@ class BagWorker:
         return self.state.version
 
     @ray.method(num_returns=3)
-    def compute(self, update: bytes | None, buffers, indices: list[int], step: int, keep_ratio: float):
-        return self.state.compute(update, buffers, indices, step, keep_ratio)
+    def compute(self, update: bytes | None, buffers, indices: list[int], step: int, keep_ratio: float,
+                epoch: int = 0, prefetch: list[int] | tuple[int, ...] = ()):
+        return self.state.compute(update, buffers, indices, step, keep_ratio, epoch, prefetch)

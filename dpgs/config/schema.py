@@ -18,8 +18,26 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class AugmentSection(Section):
+    """Per-slide augmentation of tile bags (one parameter set per bag, ``dpgs.wsi.augment``)."""
+
+    enabled: bool = True
+    flips: bool = True
+    rotations: bool = True
+    color: Literal["hed", "hsv", "none"] = "hed"
+    hed_alpha: float = Field(0.05, ge=0, lt=1)
+    hed_beta: float = Field(0.05, ge=0, lt=1)
+    hue: float = Field(0.04, ge=0, lt=1)
+    saturation: float = Field(0.2, ge=0, lt=1)
+    brightness: float = Field(0.2, ge=0, lt=1)
+    blur_probability: float = Field(0.5, ge=0, le=1)
+    blur_sigma: tuple[float, float] = (0.1, 1.0)
+
+
 class DataConfig(Section):
-    kind: Literal["features"] = "features"
+    kind: Literal["features", "tiles"] = Field(
+        "features", description="features: precomputed feature bags; tiles: tiles read from the slides"
+    )
     manifest: Path | None = None
     features_dir: Path | None = Field(None, description="feature bags (plain, CLAM or TRIDENT layout)")
     encoder: str | None = Field(None, description="TRIDENT features_<encoder> directory to use")
@@ -28,11 +46,27 @@ class DataConfig(Section):
     val_fraction: float = Field(0.2, ge=0.0, lt=1.0)
     cache_gb: float = Field(2.0, gt=0, description="bounded in-memory bag cache")
     prefetch: int = Field(2, ge=0, description="batches loaded ahead in a background thread")
+    slides_dir: Path | None = Field(None, description="data.kind=tiles: the slides ({slide_id}.svs|tif|...)")
+    tiles_dir: Path | None = Field(None, description="data.kind=tiles: output of `dpgs tile` (coords h5)")
+    tiles_per_bag: int | None = Field(
+        256, ge=1, description="tiles sampled per bag per training epoch (null: all tiles)"
+    )
+    tile_size: int | None = Field(None, ge=8, description="resize tiles to this size (null: patch_size)")
+    read_threads: int = Field(4, ge=1, description="threads reading the tiles of one bag")
+    augment: AugmentSection = Field(default_factory=AugmentSection)
 
 
 class ModelConfig(Section):
     name: str = "abmil"
     params: dict[str, Any] = Field(default_factory=dict, description="head hyper-parameters")
+    encoder: Literal["resnet18", "resnet50"] | None = Field(
+        None, description="tile encoder (data.kind=tiles); its output feeds the head"
+    )
+    big_stages: int = Field(1, ge=-1, le=4, description="encoder stages run as big layers (-1: dense)")
+    max_elements: int = Field(1 << 24, ge=1, description="largest device tensor of one big-layer strip")
+    encoder_weights: Path | None = Field(None, description="torchvision-format ResNet state_dict (.pth)")
+    freeze_encoder: bool = Field(False, description="frozen baseline: no encoder gradients, eval-mode BN")
+    embed_chunk: int = Field(256, ge=1, description="tiles per encoder pass when no gradient is needed")
 
 
 class EarlyStoppingConfig(Section):
@@ -114,6 +148,19 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_data_sources(self) -> Config:
-        if self.data.features_dir is None and self.data.manifest is not None:
-            raise ValueError("data.features_dir is required when data.kind=features")
+        data, model = self.data, self.model
+        if data.kind == "features":
+            if data.features_dir is None and data.manifest is not None:
+                raise ValueError("data.features_dir is required when data.kind=features")
+            if model.encoder is not None:
+                raise ValueError(
+                    f"model.encoder={model.encoder} needs data.kind=tiles (feature bags are already encoded)"
+                )
+        else:
+            if data.manifest is not None and (data.slides_dir is None or data.tiles_dir is None):
+                raise ValueError("data.slides_dir and data.tiles_dir are required when data.kind=tiles")
+            if model.encoder is None:
+                raise ValueError("data.kind=tiles needs a tile encoder: set model.encoder=resnet18|resnet50")
+        if model.encoder_weights is not None and model.encoder is None:
+            raise ValueError("model.encoder_weights is set but model.encoder is not")
         return self

@@ -92,6 +92,10 @@ class BagDataset:
         self.cache.put(record.slide_id, (features, coords), nbytes)
         return features, coords
 
+    def get(self, index: int, epoch: int) -> Bag:
+        """Bag ``index``; feature bags are the same in every epoch (the tile-bag dataset's interface)."""
+        return self[index]
+
     def __getitem__(self, index: int) -> Bag:
         record = self.records[index]
         features, coords = self._load(record)

@@ -21,10 +21,18 @@ from dpgs.data.validate import validate_inputs
 
 @dataclass
 class ExperimentData:
+    """``dataset`` is what training reads; ``eval_dataset`` what validation and testing read (the same
+    object for feature bags; for tile bags every tile without augmentation)."""
+
     manifest: Manifest
-    dataset: BagDataset
+    dataset: Any
     splits: list[Split]
     infos: dict[str, BagInfo]
+    eval_dataset: Any = None
+
+    def __post_init__(self) -> None:
+        if self.eval_dataset is None:
+            self.eval_dataset = self.dataset
 
 
 def build_splits(manifest: Manifest, data_cfg: Any, seed: int) -> list[Split]:
@@ -53,11 +61,17 @@ def load_experiment_data(
 ) -> ExperimentData:
     """Manifest, dataset and splits of ``data_cfg`` (a :class:`dpgs.config.schema.DataConfig`).
 
+    ``data.kind=tiles`` is delegated to :func:`dpgs.wsi.experiment.load_tile_experiment`.
+
     ``classes`` forces the class order (evaluation of a saved model); ``with_splits=False`` skips split
     construction (``splits`` is then empty). Raises :class:`DataValidationError` with every problem.
     """
+    if data_cfg.kind == "tiles":
+        from dpgs.wsi.experiment import load_tile_experiment
+
+        return load_tile_experiment(data_cfg, seed=seed, classes=classes, with_splits=with_splits)
     if data_cfg.kind != "features":
-        raise ValueError(f"load_experiment_data reads feature bags; data.kind={data_cfg.kind!r} is not one")
+        raise ValueError(f"data.kind={data_cfg.kind!r}: expected features or tiles")
     if data_cfg.manifest is None or data_cfg.features_dir is None:
         raise DataValidationError(["data.manifest and data.features_dir are both required"])
     manifest = load_manifest(

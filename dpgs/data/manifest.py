@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,12 +114,16 @@ def _read_rows(path: Path, problems: list[str]) -> tuple[list[str], list[tuple[i
 
 def load_manifest(
     csv_path: str | Path,
-    features_dir: str | Path,
+    features_dir: str | Path | None,
     classes: list[str] | None = None,
     encoder: str | None = None,
     strict: bool = True,
+    locate: Callable[[str], Path] | None = None,
 ) -> Manifest:
     """Read the manifest and locate each slide's feature file under ``features_dir``.
+
+    ``locate`` (slide_id -> path) replaces the features directory for inputs that are not feature bags
+    (tile bags locate the slide file); ``features_dir`` is then ignored and ``Manifest.layout`` is None.
 
     ``features_dir`` may use any layout of :mod:`dpgs.data.layout`; ``encoder`` picks a TRIDENT
     ``features_<encoder>`` directory. A slide without a file gets the path where its ``.h5`` file was
@@ -138,10 +143,13 @@ def load_manifest(
             if name in seen:
                 problems.append(f"{path}: column '{name}' appears twice")
             seen.add(name)
-    try:
-        layout = resolve_layout(features_dir, encoder=encoder)
-    except DataValidationError as err:
-        raise DataValidationError(problems + err.problems) from None
+    layout = None
+    if locate is None:
+        try:
+            layout = resolve_layout(features_dir, encoder=encoder)
+        except DataValidationError as err:
+            raise DataValidationError(problems + err.problems) from None
+        locate = layout.locate
     if "slide_id" not in columns or "label" not in columns:
         raise DataValidationError(problems)
 
@@ -189,7 +197,7 @@ def load_manifest(
             label_name=name,
             case_id=row.get("case_id") or row["slide_id"],
             split=row.get("split", "").lower() or None,
-            path=layout.locate(row["slide_id"]),
+            path=locate(row["slide_id"]),
             row=line,
         )
         for (line, row), name in zip(kept, names, strict=True)

@@ -142,11 +142,15 @@ class DpgsEngine:
                 time.sleep(0.2)
 
     # ------------------------------------------------------------------ a step
-    def _run_step(self, batch: list[int], keep: float) -> dict:
+    def _assign(self, batch: list[int]) -> dict[int, list[int]]:
+        """Bags of ``batch`` per worker rank (LPT on bag lengths)."""
+        plan = assign_lpt([self.lengths[i] for i in batch], len(self.workers))
+        return {rank: [batch[p] for p in positions] for rank, positions in enumerate(plan)}
+
+    def _run_step(self, batch: list[int], keep: float, epoch: int, next_batch: list[int] | None) -> dict:
         start = time.perf_counter()
-        lengths = [self.lengths[i] for i in batch]
-        plan = assign_lpt(lengths, len(self.workers))
-        pending = {rank: [batch[p] for p in positions] for rank, positions in enumerate(plan)}
+        pending = self._assign(batch)
+        ahead = self._assign(next_batch) if next_batch else {}
         updates = {rank: self.update for rank in pending}
         done: dict[int, tuple] = {}
         while pending:
@@ -154,7 +158,7 @@ class DpgsEngine:
                 self.hooks["before_submit"](self, self.global_step)
             calls = {
                 rank: self.workers[rank].compute.remote(
-                    updates[rank], self.buffers, bags, self.global_step, keep
+                    updates[rank], self.buffers, bags, self.global_step, keep, epoch, ahead.get(rank, [])
                 )
                 for rank, bags in pending.items()
             }
@@ -223,7 +227,8 @@ class DpgsEngine:
                 continue
             keep = keep_ratio_at(self.cfg.compression, epoch - 1 + s / max(len(batches), 1), total_epochs)
             try:
-                steps.append(self._run_step(batch, keep))
+                next_batch = batches[s + 1] if s + 1 < len(batches) else None
+                steps.append(self._run_step(batch, keep, epoch, next_batch))
             except WorkerFailure as err:
                 path = self.checkpoint(epoch, s, history or [])
                 raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err

@@ -13,12 +13,15 @@ uplink compressor). Per step it
    over workers weighted by bag count and sends back with the next update.
 
 The step's dropout randomness is seeded from (seed, step, first bag index), so a step re-run after a
-failure or a resume computes exactly the same gradient.
+failure or a resume computes exactly the same gradient. Bags are read with ``dataset.get(index, epoch)``
+(tile bags: the epoch's tile sample and augmentation). The driver also names the bags this worker
+will get in the next step (``prefetch``); they are read in a background thread while this step computes.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -32,6 +35,7 @@ from dpgs.distributed.flat import (
     load_flat_params,
     trainable,
 )
+from dpgs.modeling import input_to
 from dpgs.train.steps import batch_loss
 
 
@@ -65,6 +69,21 @@ class WorkerState:
         self.version: int | None = None  # no weights received yet
         self.encoder = GradientEncoder(compression, self.model)
         self.mbps = emulate_bandwidth_mbps
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpgs-bag-prefetch")
+        self._ahead: dict[tuple[int, int], Future] = {}
+
+    def _take(self, index: int, epoch: int):
+        """Bag ``index`` of ``epoch``: the prefetched copy when there is one, else read now."""
+        ahead = self._ahead.pop((epoch, index), None)
+        return ahead.result() if ahead is not None else self.dataset.get(index, epoch)
+
+    def _read_ahead(self, indices: list[int], epoch: int) -> None:
+        """Start reading ``indices`` of ``epoch``; bags read ahead for other steps are dropped."""
+        wanted = {(epoch, i) for i in indices}
+        for key in [k for k in self._ahead if k not in wanted]:
+            self._ahead.pop(key).cancel()
+        for key in wanted - self._ahead.keys():
+            self._ahead[key] = self._reader.submit(self.dataset.get, key[1], key[0])
 
     def receive(self, update: bytes) -> None:
         """Apply a delta or snapshot payload; raises VersionMismatch when it does not fit."""
@@ -79,8 +98,13 @@ class WorkerState:
         indices: list[int],
         step: int,
         keep_ratio: float,
+        epoch: int = 0,
+        prefetch: list[int] | tuple[int, ...] = (),
     ) -> tuple[bytes, torch.Tensor | None, dict]:
-        """Apply ``update`` and ``buffers``; return (gradient payload, buffers, stats) for ``indices``."""
+        """Apply ``update`` and ``buffers``; return (gradient payload, buffers, stats) for ``indices``.
+
+        ``prefetch``: bags (of the same ``epoch``) to read in the background for the next step.
+        """
         start = time.perf_counter()
         down_link_seconds = 0.0
         if update is not None:
@@ -97,15 +121,17 @@ class WorkerState:
             "n_bags": len(indices),
         }
         if not indices:
+            self._read_ahead(list(prefetch), epoch)
             stats.update(compute_seconds=0.0, payload_bytes=0, dense_bytes=0, losses=[], slide_ids=[])
             return b"", None, stats
         load_start = time.perf_counter()
-        bags = [self.dataset[i] for i in indices]
+        bags = [self._take(i, epoch) for i in indices]
+        self._read_ahead(list(prefetch), epoch)
         compute_start = time.perf_counter()
         torch.manual_seed(self.seed * 1_000_003 + step * 8191 + indices[0])
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        features = [b.features.to(self.device) for b in bags]
+        features = [input_to(self.model, b.features, self.device) for b in bags]
         labels = torch.tensor([b.label for b in bags], device=self.device)
         out = batch_loss(self.model, features, labels, "packed", self.class_weights)
         out["per_bag"].sum().backward()

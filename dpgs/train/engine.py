@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from dpgs.config.schema import TrainConfig
 from dpgs.data import Prefetcher
+from dpgs.modeling import input_to
 from dpgs.train.optim import build_optimizer, build_scheduler
 from dpgs.train.steps import batch_loss, check_mode_supported
 
@@ -65,7 +66,7 @@ class LocalEngine:
 
     def train_batch(self, bags: list) -> tuple[float, int]:
         """Back-propagate one batch; step when the accumulation window is full. Returns (loss sum, B)."""
-        features = [b.features.to(self.device, non_blocking=True) for b in bags]
+        features = [input_to(self.model, b.features, self.device) for b in bags]
         labels = torch.tensor([b.label for b in bags], device=self.device)
         out = batch_loss(
             self.model,
@@ -88,6 +89,8 @@ class LocalEngine:
         Returns ``train_loss`` (mean per bag) and ``train_seconds``.
         """
         self.model.train()
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)  # tile bags: the epoch's tile sample and augmentation
         total, count, steps_before = 0.0, 0, self.steps
         start = time.perf_counter()
         loaded = Prefetcher(self.dataset, batches, depth=self.prefetch)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dpgs.metrics import METRIC_NAMES, classification_metrics
+from dpgs.modeling import input_to
 from dpgs.train.batching import sample_indices
 
 
@@ -59,7 +60,7 @@ def predict(
             x = bag.features
             if sample_k is not None:
                 x = x[sample_indices(x.shape[0], sample_k, generator)]
-            x = x.to(device, non_blocking=True)
+            x = input_to(model, x, device)
             y = torch.tensor(bag.label, device=device)
             out = model.loss(x, y)
             ids.append(bag.slide_id)

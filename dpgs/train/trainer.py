@@ -24,7 +24,7 @@ import torch
 from dpgs.config import Config, config_to_dict, flatten, save_config
 from dpgs.data import BagDataset, Prefetcher, Split, load_experiment_data
 from dpgs.metrics import METRIC_NAMES
-from dpgs.modeling import ModelSpec, resolve_device
+from dpgs.modeling import ModelSpec, initial_model, resolve_device
 from dpgs.plots import plot_training_curves
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
@@ -83,9 +83,11 @@ def iterate_bags(dataset: BagDataset, indices: list[int], depth: int):
 class FoldTrainer:
     """Trains and evaluates one split."""
 
-    def __init__(self, config: Config, dataset: BagDataset, classes: list[str], split: Split, out_dir: Path):
+    def __init__(self, config: Config, dataset: BagDataset, classes: list[str], split: Split, out_dir: Path,
+                 eval_dataset=None):
         self.config = config
         self.dataset = dataset
+        self.eval_dataset = dataset if eval_dataset is None else eval_dataset
         self.classes = classes
         self.split = split
         self.out_dir = out_dir
@@ -95,7 +97,7 @@ class FoldTrainer:
     def _evaluate(self, model, indices: list[int], prefix: str) -> dict[str, float]:
         preds = predict(
             model,
-            iterate_bags(self.dataset, indices, self.config.data.prefetch),
+            iterate_bags(self.eval_dataset, indices, self.config.data.prefetch),
             self.device,
             self.num_classes,
         )
@@ -116,8 +118,9 @@ class FoldTrainer:
         train_idx, val_idx, test_idx = self.split.train, self.split.val, self.split.test
         labels = [self.dataset.records[i].label for i in train_idx]
         class_weights = class_weights_for(labels, self.num_classes) if cfg.train.class_weighted_loss else None
-        spec = ModelSpec(cfg.model, self.dataset.feature_dim, self.num_classes)
-        model = spec.build()
+        in_dim = None if cfg.model.encoder else self.dataset.feature_dim
+        spec = ModelSpec(cfg.model, in_dim, self.num_classes)
+        model = initial_model(spec)
         batch_size = 1 if cfg.train.mode == "classic" else cfg.train.batch_size
         steps_per_epoch = math.ceil(len(train_idx) / batch_size)
         tracker.log_params(
@@ -128,6 +131,7 @@ class FoldTrainer:
                 "n_test": len(test_idx),
                 "classes": json.dumps(self.classes),
                 "n_parameters": sum(p.numel() for p in model.parameters()),
+                "n_trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             }
         )
         engine = make_engine(cfg, spec, model, self.device, class_weights, self.dataset, train_idx)
@@ -193,7 +197,7 @@ class FoldTrainer:
                 test.update(
                     sampled_protocol(
                         eval_model,
-                        lambda: iterate_bags(self.dataset, test_idx, cfg.data.prefetch),
+                        lambda: iterate_bags(self.eval_dataset, test_idx, cfg.data.prefetch),
                         self.device,
                         self.num_classes,
                         cfg.eval.sample_k,
@@ -250,7 +254,9 @@ def run_training(config: Config) -> TrainingResult:
         tracker = RunTracker.start(uri, experiment, config.tracking.run_name, tags)
         tracker.log_params(params)
         try:
-            fold = FoldTrainer(config, data.dataset, data.manifest.classes, data.splits[0], root).run(tracker)
+            fold = FoldTrainer(
+                config, data.dataset, data.manifest.classes, data.splits[0], root, data.eval_dataset
+            ).run(tracker)
         except BaseException:
             tracker.end("FAILED")
             raise
@@ -272,7 +278,9 @@ def run_training(config: Config) -> TrainingResult:
             child.log_params(params)
             try:
                 folds.append(
-                    FoldTrainer(config, data.dataset, data.manifest.classes, split, out_dir).run(child)
+                    FoldTrainer(
+                        config, data.dataset, data.manifest.classes, split, out_dir, data.eval_dataset
+                    ).run(child)
                 )
             except BaseException:
                 child.end("FAILED")

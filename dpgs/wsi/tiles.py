@@ -185,6 +185,11 @@ class TileBag:
     coords: np.ndarray
     indices: np.ndarray
 
+    @property
+    def features(self) -> torch.Tensor | np.ndarray:
+        """The bag's instances (the tiles), the name the trainers and evaluation read."""
+        return self.tiles
+
 
 def locate_slide(slides_dir: str | Path, slide_id: str) -> Path | None:
     """``slides_dir/{slide_id}{ext}`` for the first existing slide extension (any case), or None."""
@@ -241,6 +246,20 @@ class TileBagDataset:
         self._layouts: dict[int, TileLayout] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_lock"]  # the dataset is shipped to DPGS worker processes
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def records(self) -> list[TileBagItem]:
+        """The items (slide_id, label, paths), by index: the attribute trainers read labels from."""
+        return self.items
+
     @classmethod
     def from_records(cls, records, slides_dir: str | Path, tiles_dir: str | Path, **kwargs) -> TileBagDataset:
         """Items for records with ``slide_id`` and ``label``; every missing file is listed in one error."""
@@ -277,9 +296,14 @@ class TileBagDataset:
                 self._layouts[i] = TileLayout.from_h5(self.items[i].coords_path)
             return self._layouts[i]
 
-    def lengths(self) -> list[int]:
+    def tile_counts(self) -> list[int]:
         """Number of tiles of every slide (all tiles, before sampling)."""
         return [len(self.layout(i)) for i in range(len(self))]
+
+    def lengths(self) -> list[int]:
+        """Number of tiles ``dataset[i]`` returns: ``min(tiles, tiles_per_bag)`` (DPGS balances on it)."""
+        k = self.tiles_per_bag
+        return [n if k is None else min(n, k) for n in self.tile_counts()]
 
     def read(self, i: int, indices: np.ndarray | None = None, generator_key: int | None = None) -> TileBag:
         """Bag ``i`` with the tiles ``indices`` (all when None); augmentation seeded by (seed, key, i)."""
@@ -301,9 +325,13 @@ class TileBagDataset:
             x = imagenet_normalize(x)
         return TileBag(item.slide_id, x, item.label, coords, idx)
 
+    def get(self, i: int, epoch: int) -> TileBag:
+        """Bag ``i`` as epoch ``epoch`` samples and augments it (independent of :meth:`set_epoch`)."""
+        idx = sample_indices(len(self.layout(i)), self.tiles_per_bag, self.seed, epoch, i)
+        return self.read(i, idx, generator_key=epoch)
+
     def __getitem__(self, i: int) -> TileBag:
-        idx = sample_indices(len(self.layout(i)), self.tiles_per_bag, self.seed, self.epoch, i)
-        return self.read(i, idx)
+        return self.get(i, self.epoch)
 
 
 def iterate_bags(dataset: TileBagDataset, order: Sequence[int], prefetch: int = 1) -> Iterator[TileBag]:
