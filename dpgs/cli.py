@@ -8,7 +8,7 @@ import sys
 
 from dpgs import __version__
 
-COMMANDS = ("train", "eval", "demo_data", "tile", "compare")
+COMMANDS = ("train", "eval", "demo_data", "tile", "extract", "heatmap", "compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,7 @@
-"""Ray worker actors (thin wrappers; the logic lives in ``dpgs.distributed.worker_state``)."""
+"""Ray worker actors (thin wrappers; the logic lives in ``dpgs.distributed.worker_state`` and
+``dpgs.distributed.group_worker_state``)."""
 
 from workers.actor import BagWorker
+from workers.group_actor import GroupWorker
 
-__all__ = ["BagWorker"]
+__all__ = ["BagWorker", "GroupWorker"]

@@ -134,6 +134,23 @@ class DpgsConfig(Section):
     resume: Path | None = Field(None, description="DPGS checkpoint to continue from (set by --resume)")
     dashboard: bool = False
     object_store_gb: float | None = Field(None, gt=0)
+    sample_parallel: int = Field(
+        1, ge=1, description="G ranks per logical worker, splitting every tile of a bag (data.kind=tiles)"
+    )
+    sample_grid: tuple[int, int] | None = Field(
+        None, description="[rows, cols] grid of a group's ranks (rows * cols = sample_parallel; null: [G, 1])"
+    )
+
+    @model_validator(mode="after")
+    def _check_sample_grid(self) -> DpgsConfig:
+        if self.sample_grid is not None:
+            rows, cols = self.sample_grid
+            if rows < 1 or cols < 1 or rows * cols != self.sample_parallel:
+                raise ValueError(
+                    f"dpgs.sample_grid {list(self.sample_grid)} must be [rows, cols] with rows, cols >= 1 "
+                    f"and rows * cols = dpgs.sample_parallel={self.sample_parallel}"
+                )
+        return self
 
 
 class Config(Section):
@@ -163,4 +180,18 @@ class Config(Section):
                 raise ValueError("data.kind=tiles needs a tile encoder: set model.encoder=resnet18|resnet50")
         if model.encoder_weights is not None and model.encoder is None:
             raise ValueError("model.encoder_weights is set but model.encoder is not")
+        g = self.dpgs.sample_parallel
+        if g > 1:
+            if self.train.mode != "dpgs":
+                raise ValueError(f"dpgs.sample_parallel={g} needs train.mode=dpgs (got {self.train.mode})")
+            if data.kind != "tiles":
+                raise ValueError(
+                    f"dpgs.sample_parallel={g} needs data.kind=tiles (feature bags have nothing spatial to "
+                    "split)"
+                )
+            if model.freeze_encoder:
+                raise ValueError(
+                    f"dpgs.sample_parallel={g} trains the encoder across the ranks; it cannot be combined "
+                    "with model.freeze_encoder=true (use dpgs.sample_parallel=1)"
+                )
         return self

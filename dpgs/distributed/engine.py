@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,10 +29,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from dpgs.config import Config
 from dpgs.distributed.assignment import assign_lpt, imbalance
 from dpgs.distributed.codec import keep_ratio_at
-from dpgs.distributed.runtime import connect, release, reserve, worker_resources
+from dpgs.distributed.runtime import connect, release, release_named, reserve, worker_resources
 from dpgs.modeling import ModelSpec
 from master import Master
-from workers import BagWorker
+from workers import BagWorker, GroupWorker
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -57,43 +58,104 @@ class DpgsEngine:
         self.global_step = 0
         self.skip_steps = 0
         connect(self.cfg)
-        res = worker_resources(self.cfg, config.train.device)
-        self.resources = res
-        self.group = reserve(self.cfg.workers, res)
         here = ray.get_runtime_context().get_node_id()
         self.master = Master.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)
         ).remote(spec, config.train, self.cfg.compression)
-        self.workers = [
-            BagWorker.options(
-                num_cpus=res.cpus,
-                num_gpus=res.gpus,
-                max_restarts=self.cfg.max_worker_restarts,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.group, placement_group_bundle_index=rank
-                ),
-            ).remote(
+        self.group_prefix = ""
+        if self.cfg.sample_parallel > 1:
+            self.group = None  # every GroupWorker's ranks reserve their own placement group
+            self.workers = self._start_groups(config, spec, dataset, class_weights)
+        else:
+            res = worker_resources(self.cfg, config.train.device)
+            self.resources = res
+            self.group = reserve(self.cfg.workers, res)
+            self.workers = [
+                BagWorker.options(
+                    num_cpus=res.cpus,
+                    num_gpus=res.gpus,
+                    max_restarts=self.cfg.max_worker_restarts,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.group, placement_group_bundle_index=rank
+                    ),
+                ).remote(
+                    rank=rank,
+                    threads=res.threads,
+                    model_spec=spec,
+                    dataset=dataset,
+                    compression=self.cfg.compression,
+                    class_weights=class_weights,
+                    seed=config.seed,
+                    device=res.device,
+                    emulate_bandwidth_mbps=self.cfg.emulate_bandwidth_mbps,
+                )
+                for rank in range(self.cfg.workers)
+            ]
+            where = ray.get([w.where.remote() for w in self.workers], timeout=self.timeout)
+            for rank, info in enumerate(where):
+                print(
+                    f"[dpgs] worker {rank}: node={info['node'][:12]} pid={info['pid']} "
+                    f"device={info['device']} cpus={res.cpus:g} gpus={res.gpus:g} threads={res.threads}",
+                    flush=True,
+                )
+        ray.get(self.master.load_model_state.remote(model.state_dict()), timeout=self.timeout)
+        self.update = self.master.snapshot.remote()
+        self.buffers = self.master.buffers.remote()
+
+    def _start_groups(self, config: Config, spec: ModelSpec, dataset, class_weights) -> list:
+        """P ``GroupWorker`` coordinators (no CPU, no bundle of their own), each with G ranks.
+
+        The ranks are sized as P * G workers would be (``worker_resources``; ``dpgs.cpus_per_worker`` and
+        ``dpgs.gpus_per_worker`` are per rank). On CUDA every rank needs a whole GPU (NCCL).
+        """
+        p, g = self.cfg.workers, self.cfg.sample_parallel
+        res = worker_resources(self.cfg.model_copy(update={"workers": p * g}), config.train.device)
+        if 0 < res.gpus < 1:
+            source = (f"dpgs.gpus_per_worker={self.cfg.gpus_per_worker:g}" if self.cfg.gpus_per_worker
+                      else f"{ray.cluster_resources().get('GPU', 0):g} GPUs for {p * g} ranks")
+            raise ValueError(
+                f"dpgs.sample_parallel={g}: NCCL needs one whole GPU per rank, never two ranks on one GPU "
+                f"({source}); set dpgs.gpus_per_worker=1 with dpgs.workers * dpgs.sample_parallel <= GPUs, "
+                f"or train.device=cpu"
+            )
+        self.resources = res
+        prefix = self.group_prefix = f"dpgs-group-{uuid.uuid4().hex[:12]}-"
+        workers = [
+            GroupWorker.options(num_cpus=0, max_restarts=self.cfg.max_worker_restarts).remote(
                 rank=rank,
-                threads=res.threads,
                 model_spec=spec,
                 dataset=dataset,
                 compression=self.cfg.compression,
                 class_weights=class_weights,
                 seed=config.seed,
+                ranks=g,
+                grid=None if self.cfg.sample_grid is None else tuple(self.cfg.sample_grid),
                 device=res.device,
+                cpus_per_rank=res.cpus,
+                gpus_per_rank=res.gpus,
+                threads=res.threads,
+                call_timeout_s=self.timeout,
                 emulate_bandwidth_mbps=self.cfg.emulate_bandwidth_mbps,
+                name=f"{prefix}{rank}-",
             )
-            for rank in range(self.cfg.workers)
+            for rank in range(p)
         ]
-        for rank, info in enumerate(ray.get([w.where.remote() for w in self.workers], timeout=self.timeout)):
-            print(
-                f"[dpgs] worker {rank}: node={info['node'][:12]} pid={info['pid']} device={info['device']} "
-                f"cpus={res.cpus:g} gpus={res.gpus:g} threads={res.threads}",
-                flush=True,
-            )
-        ray.get(self.master.load_model_state.remote(model.state_dict()), timeout=self.timeout)
-        self.update = self.master.snapshot.remote()
-        self.buffers = self.master.buffers.remote()
+        grid = self.cfg.sample_grid or (g, 1)
+        try:
+            where = ray.get([w.where.remote() for w in workers], timeout=self.timeout)
+        except BaseException:  # a group that could not start: leave no ranks or reservations behind
+            for w in workers:
+                ray.kill(w, no_restart=True)
+            ray.kill(self.master, no_restart=True)
+            release_named(prefix)
+            raise
+        for rank, info in enumerate(where):
+            print(f"[dpgs] worker {rank}: sample-parallel group of {g} ranks ({grid[0]}x{grid[1]} grid), "
+                  f"coordinator node={info['node'][:12]} pid={info['pid']}", flush=True)
+            for r in info["ranks"]:
+                print(f"[dpgs]   rank {r['rank']}: node={r['node'][:12]} pid={r['pid']} device={r['device']} "
+                      f"cpus={res.cpus:g} gpus={res.gpus:g} threads={res.threads}", flush=True)
+        return workers
 
     # ------------------------------------------------------------------ resume
     def restore(self, checkpoint: dict) -> dict:
@@ -212,6 +274,8 @@ class DpgsEngine:
             "overhead_seconds": step_seconds - max(compute, default=0.0),
             "imbalance": imbalance(compute),
             "link_seconds": max((s.get("link_seconds", 0.0) for s in worker_stats), default=0.0),
+            "halo_bytes": sum(s.get("halo_bytes", 0) for s in worker_stats),
+            "group_restarts": sum(s.get("group_restarts", 0) for s in worker_stats),
         }
 
     # ------------------------------------------------------------------ epochs
@@ -249,7 +313,12 @@ class DpgsEngine:
         down = sum(s["down_bytes"] for s in steps)
         dense = sum(s["up_dense"] + s["down_dense"] for s in steps)
         mean = lambda key: sum(s[key] for s in steps) / max(len(steps), 1)
+        groups = {}
+        if self.cfg.sample_parallel > 1:  # halo traffic of the groups (summed over groups), rank rebuilds
+            groups = {"sample_parallel_halo_bytes": mean("halo_bytes"),
+                      "sample_parallel_restarts": float(sum(s["group_restarts"] for s in steps))}
         return {
+            **groups,
             "train_loss": sum(s["loss_sum"] for s in steps) / max(n_bags, 1),
             "train_seconds": time.perf_counter() - start,
             "comm_bytes_up": float(up),
@@ -275,6 +344,12 @@ class DpgsEngine:
         return {"worker_restarts": float(self.restarts)}
 
     def close(self) -> None:
+        if self.cfg.sample_parallel > 1:  # the groups release their ranks and placement groups
+            refs = [w.close.remote() for w in self.workers]
+            ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout, 60.0))
         for actor in [*self.workers, self.master]:
             ray.kill(actor, no_restart=True)
-        release(self.group)
+        if self.group is not None:
+            release(self.group)
+        if self.group_prefix:  # reservations of coordinators that died without closing their group
+            release_named(self.group_prefix)

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 from dpgs.config.schema import DpgsConfig
 
@@ -114,12 +120,15 @@ def worker_resources(cfg: DpgsConfig, train_device: str) -> WorkerResources:
     return WorkerResources(cpus=cpus, gpus=gpus, threads=threads, device="cuda" if gpus > 0 else "cpu")
 
 
-def reserve(workers: int, res: WorkerResources, timeout_s: float = PLACEMENT_TIMEOUT_S):
-    """A placement group with one bundle per worker (spread over nodes when there are several)."""
+def reserve(workers: int, res: WorkerResources, timeout_s: float = PLACEMENT_TIMEOUT_S, name: str = ""):
+    """A placement group with one bundle per worker (spread over nodes when there are several).
+
+    ``name`` (optional) names the placement group, so that ``release_named`` can find it again.
+    """
     bundle = {"CPU": res.cpus}
     if res.gpus > 0:
         bundle["GPU"] = res.gpus
-    group = placement_group([dict(bundle) for _ in range(workers)], strategy="SPREAD")
+    group = placement_group([dict(bundle) for _ in range(workers)], strategy="SPREAD", name=name)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
@@ -132,3 +141,19 @@ def reserve(workers: int, res: WorkerResources, timeout_s: float = PLACEMENT_TIM
 
 def release(group) -> None:
     remove_placement_group(group)
+
+
+def release_named(prefix: str) -> int:
+    """Remove every live placement group whose name starts with ``prefix``; returns how many.
+
+    A placement group outlives the actor that created it (its lifetime is the job's), so an actor that
+    Ray restarts (``workers.GroupWorker``) frees what its dead incarnation reserved with this.
+    """
+    if not prefix:
+        raise ValueError("release_named needs a non-empty prefix")
+    removed = 0
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed

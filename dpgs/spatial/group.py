@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -120,12 +121,15 @@ class SampleParallelGroup:
         max_restarts: rebuilds allowed per step before ``GroupFailure``.
         hooks: fault injection for tests: ``{"after_submit": fn(group, attempt)}`` runs once the step's
             tasks are submitted.
+        name: prefix of the placement group's name (each build appends a fresh suffix); an owner that may
+            be restarted (``GroupWorker``) passes a stable prefix and calls
+            ``dpgs.distributed.runtime.release_named(prefix)`` first to free what a dead incarnation left.
     """
 
     def __init__(self, spec: SpatialModelSpec, ranks: int, grid: tuple[int, int] | None = None, *,
                  device: str = "cpu", cpus_per_rank: float = 1.0, gpus_per_rank: float | None = None,
                  threads: int = 1, call_timeout_s: float = 300.0, max_restarts: int = 3,
-                 hooks: dict[str, Callable] | None = None) -> None:
+                 hooks: dict[str, Callable] | None = None, name: str = "") -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         gpus = (1.0 if device == "cuda" else 0.0) if gpus_per_rank is None else float(gpus_per_rank)
@@ -141,6 +145,7 @@ class SampleParallelGroup:
         self.call_timeout_s = call_timeout_s
         self.max_restarts = max_restarts
         self.hooks = hooks or {}
+        self.name = name
         self.restarts = 0
         self.actors: list = []
         self.placement = None
@@ -164,7 +169,8 @@ class SampleParallelGroup:
         return ray.get(refs)
 
     def _build(self) -> None:
-        self.placement = reserve(self.grid.size, self.resources, self.call_timeout_s)
+        label = f"{self.name}{uuid.uuid4().hex[:8]}" if self.name else ""
+        self.placement = reserve(self.grid.size, self.resources, self.call_timeout_s, name=label)
         self.actors = [
             SpatialRank.options(
                 num_cpus=self.resources.cpus, num_gpus=self.resources.gpus,
@@ -236,9 +242,19 @@ class SampleParallelGroup:
 
     def set_params(self, flat: torch.Tensor) -> None:
         """Load ``flat`` into every rank (e.g. after the DPGS master's update)."""
-        if flat.numel() != self._params.numel():
-            raise ValueError(f"set_params: got {flat.numel()} values, the model has {self._params.numel()}")
-        self._params = flat.detach().cpu().to(self._params.dtype).clone()
+        self.set_state(params=flat)
+
+    def set_state(self, params: torch.Tensor | None = None, buffers: torch.Tensor | None = None) -> None:
+        """``set_params(params)`` and ``set_buffers(buffers)`` (either may be None), one push to the ranks."""
+        if params is None and buffers is None:
+            return
+        if params is not None:
+            if params.numel() != self._params.numel():
+                raise ValueError(f"set_params: got {params.numel()} values, the model has "
+                                 f"{self._params.numel()}")
+            self._params = params.detach().cpu().to(self._params.dtype).clone()
+        if buffers is not None:
+            self._load_float_buffers(buffers)
         self._push_state()
 
     def get_buffers(self) -> torch.Tensor | None:
@@ -248,16 +264,20 @@ class SampleParallelGroup:
 
     def set_buffers(self, flat: torch.Tensor | None) -> None:
         """Load the master's averaged floating-point buffers into every rank (counters are kept)."""
-        if flat is None:
-            return
-        offset = 0
+        self.set_state(buffers=flat)
+
+    def _load_float_buffers(self, flat: torch.Tensor) -> None:
+        """``flat`` (float64, ``get_buffers`` layout) into the driver's copy of the buffers."""
+        total = sum(b.numel() for b in self._buffers if b.is_floating_point())
+        if flat.numel() != total:
+            raise ValueError(f"set_buffers: got {flat.numel()} values, the model has {total}")
+        offset, loaded = 0, []
         for b in self._buffers:
             if b.is_floating_point():
-                b.copy_(flat[offset:offset + b.numel()].view_as(b).to(b.dtype))
+                b = flat[offset:offset + b.numel()].view_as(b).to(b.dtype).clone()
                 offset += b.numel()
-        if offset != flat.numel():
-            raise ValueError(f"set_buffers: got {flat.numel()} values, the model has {offset}")
-        self._push_state()
+            loaded.append(b)
+        self._buffers = loaded
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._get([self.actors[0].state_dict.remote()])[0]

@@ -1,0 +1,167 @@
+"""``--run RUN_DIR_OR_RUN_ID``: a trained dpgs run located by its directory or its MLflow run id.
+
+A run directory is a ``train.output_dir`` (per fold ``output_dir/fold_k``) holding ``config.yaml``,
+``classes.json`` and ``best.pt``. An MLflow run id is resolved like ``dpgs train --resume`` does
+(:func:`dpgs.distributed.resume.find_checkpoint`): the run's param ``train.output_dir``, plus the
+fold name (tag ``dpgs.fold``) for the nested run of a fold, is the directory; a relative
+``train.output_dir`` is taken relative to the current directory, as training wrote it.
+
+The other way round, :func:`find_mlflow_run` finds the MLflow run of a run directory: the most recent
+run of the config's experiment whose output directory (as above) is that directory.
+
+Every problem raises :class:`RunError` (a ``ValueError``) naming the path or run id.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpgs.config import Config, ConfigError, load_config
+
+RUN_FILES = ("config.yaml", "classes.json", "best.pt")
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+class RunError(ValueError):
+    """A run that cannot be located or loaded; the message names the path or run id."""
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """A located run: its directory, its config, and its MLflow run when known (``run_id`` or None)."""
+
+    run_dir: Path
+    config: Config
+    run_id: str | None
+    tracking_uri: str
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.run_dir / "best.pt"
+
+    def classes(self) -> list[str]:
+        """The class names of ``classes.json``, in the model's output order."""
+        path = self.run_dir / "classes.json"
+        try:
+            classes = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise RunError(f"{path}: cannot read the run's classes ({err})") from None
+        if not isinstance(classes, list) or not classes:
+            raise RunError(f"{path}: expected a non-empty JSON list of class names")
+        return [str(c) for c in classes]
+
+
+def sqlite_store_missing(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///FILE`` URI when it does not exist (opening it would create it)."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    path = Path(uri[len(prefix) :].split("?", 1)[0])
+    return None if path.is_file() else path
+
+
+def run_dir_of(params: dict[str, str], tags: dict[str, str]) -> Path | None:
+    """The output directory an MLflow run of ``dpgs train`` wrote to (None: not a dpgs run)."""
+    out = params.get("train.output_dir")
+    if not out:
+        return None
+    fold = tags.get("dpgs.fold")
+    return Path(out) / fold if fold else Path(out)
+
+
+def check_run_dir(run_dir: Path, what: str) -> None:
+    """Raise :class:`RunError` unless ``run_dir`` holds config.yaml, classes.json and best.pt."""
+    if not run_dir.is_dir():
+        raise RunError(f"{what}: run directory {run_dir} not found")
+    missing = [name for name in RUN_FILES if not (run_dir / name).is_file()]
+    if missing:
+        raise RunError(
+            f"{what}: {run_dir} is not a dpgs run directory (missing {', '.join(missing)}; "
+            "expected a train.output_dir, or output_dir/fold_k of a k-fold run)"
+        )
+
+
+def load_run_config(run_dir: Path) -> Config:
+    """The run's ``config.yaml``."""
+    try:
+        return load_config(run_dir / "config.yaml")
+    except ConfigError as err:
+        raise RunError(str(err)) from None
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def dir_from_run_id(run_id: str, uri: str) -> Path:
+    """The run directory of MLflow run ``run_id`` (see module docstring)."""
+    from mlflow.exceptions import MlflowException
+
+    missing = sqlite_store_missing(uri)
+    if missing is not None:
+        raise RunError(f"--run {run_id}: no run directory of that name, and the tracking store {missing} "
+                       "does not exist (give --tracking-uri)")
+    try:
+        run = _client(uri).get_run(run_id)
+    except MlflowException as err:
+        raise RunError(f"--run {run_id}: neither a run directory nor an MLflow run id in {uri} "
+                       f"({err.message})") from None
+    if run.data.tags.get("dpgs.kfold_parent") == "true":
+        out = run.data.params.get("train.output_dir")
+        raise RunError(f"--run {run_id}: a k-fold parent run; pass one of its fold runs or {out}/fold_k")
+    run_dir = run_dir_of(run.data.params, run.data.tags)
+    if run_dir is None:
+        raise RunError(f"--run {run_id}: the MLflow run has no param train.output_dir (not a dpgs run)")
+    check_run_dir(run_dir, f"--run {run_id}")
+    return run_dir
+
+
+def find_mlflow_run(run_dir: Path, experiment: str, uri: str) -> str | None:
+    """The id of the latest MLflow run of ``experiment`` that wrote ``run_dir``, or None."""
+    if sqlite_store_missing(uri) is not None:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    client = _client(uri)
+    try:
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return None
+        target, token = run_dir.resolve(), None
+        while True:
+            page = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"],
+                                      max_results=1000, page_token=token)
+            for run in page:
+                candidate = run_dir_of(run.data.params, run.data.tags)
+                if candidate is not None and candidate.resolve() == target:
+                    return run.info.run_id
+            token = page.token
+            if not token:
+                return None
+    except MlflowException:
+        return None
+
+
+def resolve_run(target: str, tracking_uri: str | None = None, lookup_mlflow: bool = True) -> RunRef:
+    """Locate ``target`` (a run directory or an MLflow run id) and load its config.
+
+    The tracking URI is ``tracking_uri``, else the run config's ``tracking.uri`` (run directory) or
+    ``sqlite:///mlflow.db`` (run id). With ``lookup_mlflow`` a run directory's MLflow run is looked up
+    there (``run_id`` None when not found); without it ``run_id`` is only set for a run id.
+    """
+    path = Path(target)
+    if path.is_dir() or not _RUN_ID.match(target):
+        check_run_dir(path, f"--run {target}")
+        config = load_run_config(path)
+        uri = tracking_uri or config.tracking.uri
+        run_id = find_mlflow_run(path, config.experiment, uri) if lookup_mlflow else None
+        return RunRef(path, config, run_id, uri)
+    uri = tracking_uri or DEFAULT_TRACKING_URI
+    run_dir = dir_from_run_id(target, uri)
+    return RunRef(run_dir, load_run_config(run_dir), target, uri)

@@ -1,0 +1,193 @@
+"""A sample-parallel group as one DPGS worker (``dpgs.sample_parallel``): config checks, the flat layout
+and bag-of-images loss against ``TileMIL`` (gloo, float64), and DPGS steps on synthetic tile bags that
+equal single-process ``packed`` steps (two-node local Ray cluster)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from dpgs.config import load_config
+from dpgs.config.schema import ModelConfig
+from dpgs.data import load_experiment_data
+from dpgs.distributed.group_worker_state import check_layout, replica_names, spatial_spec, tilemil_names
+from dpgs.modeling import ModelSpec
+from dpgs.spatial.partition import Grid, Partition
+from dpgs.spatial.rank import RankState
+from tests.spatial_helpers import run_ranks
+
+TILES_PER_SLIDE = [6, 4, 8, 5]  # bag lengths (tiles of 32 px)
+TILE = 32
+
+
+def _tiles_config(*overrides: str):
+    base = ["data.kind=tiles", "model.encoder=resnet18", "train.mode=dpgs", "dpgs.sample_parallel=2"]
+    return load_config(None, [*base, *overrides])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.kind=features", r"dpgs.sample_parallel=2 needs data.kind=tiles"),
+    ("model.freeze_encoder=true", r"dpgs.sample_parallel=2 .*model.freeze_encoder=true"),
+    ("train.mode=packed", r"dpgs.sample_parallel=2 needs train.mode=dpgs \(got packed\)"),
+    ("dpgs.sample_grid=[2, 2]", r"dpgs.sample_grid \[2, 2\] .*rows \* cols = dpgs.sample_parallel=2"),
+])
+def test_config_errors_name_the_key(override, message):
+    extra = ["model.encoder=null"] if override == "data.kind=features" else []
+    with pytest.raises(Exception, match=message):
+        _tiles_config(override, *extra)
+    assert _tiles_config("dpgs.sample_grid=[1, 2]").dpgs.sample_grid == (1, 2)
+
+
+def _tilemil_spec() -> ModelSpec:
+    cfg = ModelConfig(name="abmil", params={"dropout": 0.0}, encoder="resnet18", big_stages=1)
+    return ModelSpec(cfg, None, 2)
+
+
+def _bag_of_images_rank(rank: int, world: int, spec64) -> None:
+    """Rank ``rank`` of a 2 x 1 grid: one bag of 5 tiles; rank 0 checks against ``TileMIL.loss``."""
+    torch.manual_seed(3)
+    model = _tilemil_spec().build().double()
+    x = torch.randn(5, 3, TILE, TILE, dtype=torch.float64)
+    y = 1
+    state = RankState(rank, Grid(world, 1), spec64)
+    state.model.load_state_dict({k.removeprefix("encoder."): v for k, v in model.state_dict().items()})
+    rect = Partition(Grid(world, 1), TILE, TILE).owned(rank)
+    out = state.step(x[:, :, rect.r0:rect.r1, rect.c0:rect.c1], TILE, TILE, torch.tensor([y]), step=0)
+    if rank != 0:
+        return
+    model.train()
+    ref = model.loss(x, y)
+    ref["per_bag"].sum().backward()
+    torch.testing.assert_close(out["losses"], ref["per_bag"].detach().reshape(1), rtol=1e-9, atol=1e-12)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad])
+    assert out["grad"].shape == grads.shape
+    err = (out["grad"] - grads).abs().max().item()
+    assert err <= 1e-9 * grads.abs().max().item(), f"flat gradient differs by {err}"
+    floats = [b for b in out["buffers"] if b.is_floating_point()]
+    refs = [b for b in model.buffers() if b.is_floating_point()]
+    for a, b in zip(floats, refs, strict=True):  # running statistics over the bag's 5 tiles
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_flat_layout_and_bag_of_images_loss_match_tilemil():
+    """The replica's trainable parameters and float buffers are TileMIL's (names less ``encoder.``,
+    shapes, order), and two row-band ranks give TileMIL's loss and flat gradient of one bag (float64)."""
+    spec = _tilemil_spec()
+    model = spec.build()
+    sp = spatial_spec(spec, seed=0)
+    assert sp.instances == "images" and sp.head == "abmil" and sp.partitioned_stages == 1
+    ours, theirs = replica_names(sp), tilemil_names(model)
+    assert ours == theirs
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names[0] == "encoder.conv1.weight" and names[-1].startswith("head.")
+    assert [n for n, _ in ours[0]] == [n.removeprefix("encoder.") for n in names]
+    check_layout(model, sp)
+    with pytest.raises(ValueError, match="disagree on their trainable parameters"):
+        check_layout(model, dataclasses.replace(sp, arch="resnet50"))
+    run_ranks(2, _bag_of_images_rank, dataclasses.replace(sp, dtype="float64"))
+
+
+# ----------------------------------------------------------------------------------------------- DPGS
+@pytest.fixture(scope="module")
+def tile_bags(tmp_path_factory):
+    from dpgs.wsi.synthetic import write_synthetic_slides
+
+    root = tmp_path_factory.mktemp("sp_tiles")
+    manifest = write_synthetic_slides(root / "synth", n_slides=len(TILES_PER_SLIDE), size=(256, 256),
+                                      levels=2)
+    patches = root / "tiles" / "patches"
+    patches.mkdir(parents=True)
+    grid = [[x, y] for y in range(0, 256, 64) for x in range(0, 256, 64)]
+    slides = sorted(p.stem for p in (root / "synth" / "slides").iterdir())
+    for sid, n in zip(slides, TILES_PER_SLIDE, strict=True):
+        with h5py.File(patches / f"{sid}.h5", "w") as fh:
+            dset = fh.create_dataset("coords", data=np.asarray(grid[:n], np.int64))
+            dset.attrs.update(patch_size=TILE, patch_level=0, read_size=TILE)
+    return manifest, root / "synth" / "slides", root / "tiles"
+
+
+def _dpgs_config(tile_bags, out, *overrides):
+    manifest, slides, tiles = tile_bags
+    return load_config(None, [
+        "data.kind=tiles", f"data.manifest={manifest}", f"data.slides_dir={slides}",
+        f"data.tiles_dir={tiles}",
+        "data.tiles_per_bag=null", "data.prefetch=0", "data.read_threads=1",
+        "model.encoder=resnet18", "model.big_stages=1", "model.name=abmil", "model.params={dropout: 0.0}",
+        "train.mode=dpgs", "train.optimizer=sgd", "train.lr=0.05", "train.scheduler=none",
+        f"train.output_dir={out}", "dpgs.workers=1", "dpgs.sample_parallel=2", "dpgs.cpus_per_worker=1",
+        "dpgs.compression.keep_ratio=1.0", "dpgs.compression.value_dtype=fp32",
+        "dpgs.compression.downlink=false", "dpgs.call_timeout_s=120", *overrides,
+    ])
+
+
+def _float_state(state: dict) -> dict:
+    return {k: v.detach().clone().double() for k, v in state.items() if v.is_floating_point()}
+
+
+def _assert_close(a: dict, b: dict, rtol: float, what: str) -> None:
+    assert a.keys() == b.keys()
+    errors = {key: ((a[key] - b[key]).norm() / b[key].norm().clamp(min=1e-12)).item() for key in a}
+    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    print(what, "worst relative errors", [(k, f"{e:.1e}") for k, e in worst])
+    assert worst[0][1] <= rtol, f"{what}: relative errors above {rtol}: {worst}"
+
+
+@pytest.mark.ray
+def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_cluster, tile_bags, tmp_path):
+    """P=1 group of G=2 row-band ranks. Step 1: B=1 bag; step 2: B=3 bags of 8, 5 and 4 tiles (already in
+    the LPT order, so BatchNorm's running statistics see the bags in the order of the packed step), with
+    the group's coordinator SIGKILLed mid-step: Ray restarts it with a fresh group, it is resynchronised
+    and its bags re-run. Parameters and running statistics equal single-process packed steps (SGD)."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from dpgs.distributed.engine import DpgsEngine
+    from dpgs.train.engine import LocalEngine
+
+    config = _dpgs_config(tile_bags, tmp_path / "run")
+    data = load_experiment_data(config.data, seed=config.seed)
+    spec = ModelSpec(config.model, None, len(data.manifest.classes))
+    batches = [[0], [2, 3, 1]]
+    assert [len(data.dataset.get(i, 1).tiles) for i in batches[1]] == [8, 5, 4]
+
+    torch.manual_seed(config.seed)
+    local = LocalEngine(spec.build(), config.train.model_copy(update={"mode": "packed"}), torch.device("cpu"),
+                        None, config.seed, data.dataset, 0)
+    before = _float_state(local.state_dict())
+    reference = []
+    for batch in batches:
+        local.run_epoch([batch], 1)
+        reference.append(_float_state(local.state_dict()))
+    assert any((reference[0][k] - before[k]).abs().max() > 1e-4 for k in before), "the step changed nothing"
+
+    torch.manual_seed(config.seed)
+    engine = DpgsEngine(config, spec.build(), None, (data.dataset, data.splits[0].train), spec)
+    captured = []
+
+    def capture(eng, epoch, step):
+        captured.append(_float_state(eng.state_dict()))
+
+    def kill_coordinator(eng, step):
+        if step == 1 and not getattr(eng, "_killed", False):
+            eng._killed = True
+            os.kill(ray.get(eng.workers[0].ping.remote()), signal.SIGKILL)
+
+    engine.hooks.update(after_step=capture, after_submit=kill_coordinator)
+    prefix = engine.group_prefix
+    try:
+        stats = engine.run_epoch(batches, 1)
+    finally:
+        engine.close()
+    _assert_close(captured[0], reference[0], 1e-4, "B=1")
+    _assert_close(captured[1], reference[1], 1e-4, "B=3 after a killed coordinator")
+    assert stats["worker_restarts"] == 1.0
+    assert stats["sample_parallel_halo_bytes"] > 0 and stats["sample_parallel_restarts"] == 0.0
+    live = [v["name"] for v in placement_group_table().values()
+            if v["name"].startswith(prefix) and v["state"] != "REMOVED"]
+    assert not live, f"placement groups left behind: {live}"
