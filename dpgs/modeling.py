@@ -33,7 +33,7 @@ def build_model(cfg: ModelConfig, in_dim: int | None, num_classes: int) -> torch
 
     encoder = build_encoder(cfg.encoder, cfg.big_stages, cfg.max_elements)
     head = build_head(cfg.name, in_dim=encoder.feature_dim, num_classes=num_classes, **cfg.params)
-    return TileMIL(encoder, head, freeze_encoder=cfg.freeze_encoder, embed_chunk=cfg.embed_chunk)
+    return TileMIL(encoder, head, freeze_encoder=cfg.freeze_encoder, embed_chunk=cfg.embed_chunk, amp=cfg.amp)
 
 
 def initial_model(spec: ModelSpec) -> torch.nn.Module:

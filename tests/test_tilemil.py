@@ -123,3 +123,28 @@ def test_torchvision_weights_load_and_mismatches_are_named(tmp_path):
     garbage.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="garbage.pth is not a readable state_dict"):
         load_encoder_weights(encoder, garbage)
+
+
+def amp_errors(big_stages: int, xs, y) -> tuple[float, float]:
+    """Relative error of the logits and of the gradient of bf16-autocast vs float32 training."""
+    exact, amp = tile_model(big_stages).float(), tile_model(big_stages).float()
+    amp.amp = True
+    out_exact, out_amp = (m.loss_packed(*pack_batch(xs), y) for m in (exact, amp))
+    assert out_amp["logits"].dtype == torch.float32
+    out_exact["loss"].backward()
+    out_amp["loss"].backward()
+    g_exact = torch.cat([p.grad.flatten() for p in exact.parameters()])
+    g_amp = torch.cat([p.grad.flatten() for p in amp.parameters()])
+    assert not torch.equal(g_amp, g_exact)  # autocast really ran in bfloat16
+    logits = (out_amp["logits"] - out_exact["logits"]).norm() / out_exact["logits"].norm()
+    return float(logits), float((g_amp - g_exact).norm() / g_exact.norm())
+
+
+def test_bf16_autocast_of_the_big_encoder_is_as_accurate_as_the_dense_one():
+    """bf16 is coarse (a random-init ResNet's gradient moves by tens of percent under plain torch autocast
+    too), so the big-layer encoder is held to the error of the dense encoder under the same autocast."""
+    xs, y = [x.float() for x in bags((4, 3), size=64)], torch.tensor([1, 0])
+    big_logits, big_grad = amp_errors(1, xs, y)
+    dense_logits, dense_grad = amp_errors(-1, xs, y)
+    assert big_logits < max(2 * dense_logits, 2e-2)
+    assert big_grad < max(1.5 * dense_grad, 0.1), (big_grad, dense_grad)

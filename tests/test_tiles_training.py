@@ -42,12 +42,14 @@ def test_tile_data_trains_with_sampled_bags_and_evaluates_on_all_tiles(slides, t
     assert not torch.equal(bag.features, data.dataset.get(2, epoch=2).features)  # a new sample per epoch
 
 
-def test_end_to_end_training_changes_the_encoder_and_frozen_does_not(slides, tmp_path):
+@pytest.mark.ray
+def test_dpgs_training_changes_the_encoder_and_the_frozen_baseline_does_not(ray_cluster, slides, tmp_path):
     results = {}
     for frozen in (False, True):
         out = tmp_path / f"frozen-{frozen}"
-        config = tile_config(*slides, out, "train.mode=classic", f"model.freeze_encoder={str(frozen).lower()}",
-                             "train.lr=0.01")
+        config = tile_config(*slides, out, "train.mode=dpgs", "dpgs.workers=2", "train.lr=0.01",
+                             f"model.freeze_encoder={str(frozen).lower()}",
+                             "dpgs.compression.keep_ratio=0.05")
         result = run_training(config)
         assert result.folds[0].history[0]["train_loss"] > 0
         results[frozen] = torch.load(out / "last.pt", weights_only=True)

@@ -67,6 +67,7 @@ class ModelConfig(Section):
     encoder_weights: Path | None = Field(None, description="torchvision-format ResNet state_dict (.pth)")
     freeze_encoder: bool = Field(False, description="frozen baseline: no encoder gradients, eval-mode BN")
     embed_chunk: int = Field(256, ge=1, description="tiles per encoder pass when no gradient is needed")
+    amp: bool = Field(False, description="bfloat16 autocast for the tile encoder (head and loss in fp32)")
 
 
 class EarlyStoppingConfig(Section):

@@ -14,6 +14,9 @@ Embedding contract (what makes every training mode and DPGS agree):
 * Without gradients in eval mode (validation, ``dpgs extract``, heatmaps) BatchNorm uses its running
   statistics, so the bag is embedded in chunks of ``embed_chunk`` tiles to bound memory; the result
   equals the one-pass embedding.
+* ``amp=True`` runs the encoder under ``torch.autocast`` with bfloat16 on its device (the big layers
+  compute each strip in bfloat16 and keep float32 statistics); the head and the loss stay float32.
+  bfloat16 has float32's range, so no loss scaling is needed.
 * ``freeze_encoder=True`` is the frozen baseline: the encoder's parameters do not require gradients
   (DPGS sends and the optimizer steps the head only), the encoder stays in eval mode (running
   statistics, unchanged buffers) and embeddings are computed on the fly under ``no_grad``.
@@ -84,7 +87,7 @@ class TileMIL(nn.Module):
     host_input = True
 
     def __init__(self, encoder: BigResNet, head: MILHead, freeze_encoder: bool = False,
-                 embed_chunk: int = 256):
+                 embed_chunk: int = 256, amp: bool = False):
         super().__init__()
         if head.in_dim != encoder.feature_dim:
             raise ValueError(f"head in_dim {head.in_dim} != encoder feature dim {encoder.feature_dim}")
@@ -94,6 +97,7 @@ class TileMIL(nn.Module):
         self.head = head
         self.freeze_encoder = bool(freeze_encoder)
         self.embed_chunk = int(embed_chunk)
+        self.amp = bool(amp)
         self.name = head.name
         self.supports_mask = head.supports_mask
         if self.freeze_encoder:
@@ -116,10 +120,14 @@ class TileMIL(nn.Module):
         """[N, 3, s, s] tiles of one bag -> [N, feature_dim] on the encoder's device."""
         self._check_tiles(x)
         one_pass = self.encoder.training and torch.is_grad_enabled() and not self.freeze_encoder
-        if one_pass:
-            return self.encoder(x)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_encoder):
-            return torch.cat([self.encoder(c) for c in torch.split(x, self.embed_chunk)])
+        grad = torch.is_grad_enabled() and not self.freeze_encoder
+        with torch.autocast(self.encoder.device.type, dtype=torch.bfloat16, enabled=self.amp), \
+                torch.set_grad_enabled(grad):
+            if one_pass:
+                feats = self.encoder(x)
+            else:
+                feats = torch.cat([self.encoder(c) for c in torch.split(x, self.embed_chunk)])
+        return feats.float()
 
     def _embed_batch(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """[B, N, 3, s, s] (+ mask) -> [B, N, D]: each bag's real tiles embedded in its own pass."""
