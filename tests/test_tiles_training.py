@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -52,6 +53,7 @@ def test_dpgs_training_changes_the_encoder_and_the_frozen_baseline_does_not(ray_
                              "dpgs.compression.keep_ratio=0.05")
         result = run_training(config)
         assert result.folds[0].history[0]["train_loss"] > 0
+        assert json.loads((out / "run.json").read_text())["run_id"] == result.run_id
         results[frozen] = torch.load(out / "last.pt", weights_only=True)
         before = initial_state(config)
         assert changed(results[frozen], before, "head."), "the head did not train"

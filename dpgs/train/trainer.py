@@ -4,9 +4,10 @@
 trains one run, or a parent run with one nested run per fold when ``data.folds > 1``.
 
 Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives ``config.yaml``, ``classes.json``,
-``metrics.csv`` (one row per epoch), ``last.pt`` and ``best.pt`` (plain state_dicts) and
-``training_curves.png``. The best epoch maximises (or minimises) ``train.early_stopping.monitor``; with
-no validation bags the last epoch is the best.
+``metrics.csv`` (one row per epoch), ``last.pt`` and ``best.pt`` (plain state_dicts),
+``training_curves.png`` and ``run.json`` (the MLflow run id, experiment and tracking URI of the fold, so
+``dpgs heatmap --run DIR`` finds the run to log to). The best epoch maximises (or minimises)
+``train.early_stopping.monitor``; with no validation bags the last epoch is the best.
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ class FoldTrainer:
                 "n_trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             }
         )
+        (self.out_dir / "run.json").write_text(json.dumps(
+            {"run_id": tracker.run_id, "experiment": cfg.experiment, "tracking_uri": cfg.tracking.uri}
+        ))
         engine = make_engine(cfg, spec, model, self.device, class_weights, self.dataset, train_idx)
         monitor, mode = cfg.train.early_stopping.monitor, cfg.train.early_stopping.mode
         history: list[dict] = []

@@ -123,11 +123,18 @@ def dir_from_run_id(run_id: str, uri: str) -> Path:
 
 
 def find_mlflow_run(run_dir: Path, experiment: str, uri: str) -> str | None:
-    """The id of the latest MLflow run of ``experiment`` that wrote ``run_dir``, or None."""
+    """The MLflow run of ``run_dir``: the id in its ``run.json`` (written by training) when that run
+    exists in ``uri``, else the latest run of ``experiment`` that wrote ``run_dir``, or None."""
     if sqlite_store_missing(uri) is not None:
         return None
     from mlflow.exceptions import MlflowException
 
+    try:
+        recorded = json.loads((run_dir / "run.json").read_text())["run_id"]
+        _client(uri).get_run(recorded)
+        return recorded
+    except (OSError, ValueError, KeyError, TypeError, MlflowException):
+        pass  # no record, or a run of another store: search the experiment
     client = _client(uri)
     try:
         found = client.get_experiment_by_name(experiment)
