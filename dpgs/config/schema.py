@@ -195,4 +195,9 @@ class Config(Section):
                     f"dpgs.sample_parallel={g} trains the encoder across the ranks; it cannot be combined "
                     "with model.freeze_encoder=true (use dpgs.sample_parallel=1)"
                 )
+            if model.amp:
+                raise ValueError(
+                    f"dpgs.sample_parallel={g} runs the encoder's ranks in float32; model.amp=true (bfloat16 "
+                    "autocast) is not supported with it"
+                )
         return self

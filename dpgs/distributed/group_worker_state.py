@@ -63,6 +63,8 @@ def spatial_spec(model_spec, seed: int = 0, class_weights: torch.Tensor | None =
         raise ValueError("dpgs.sample_parallel > 1 needs a tile encoder (model.encoder, data.kind=tiles)")
     if cfg.freeze_encoder:
         raise ValueError("dpgs.sample_parallel > 1 cannot be combined with model.freeze_encoder=true")
+    if getattr(cfg, "amp", False):
+        raise ValueError("dpgs.sample_parallel > 1 runs the ranks in float32; model.amp=true is unsupported")
     return SpatialModelSpec(
         arch=cfg.encoder,
         partitioned_stages=max(int(cfg.big_stages), 0),

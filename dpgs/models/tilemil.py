@@ -127,7 +127,7 @@ class TileMIL(nn.Module):
                 feats = self.encoder(x)
             else:
                 feats = torch.cat([self.encoder(c) for c in torch.split(x, self.embed_chunk)])
-        return feats.float()
+        return feats.float() if self.amp else feats  # bf16 autocast output -> the head's float32
 
     def _embed_batch(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """[B, N, 3, s, s] (+ mask) -> [B, N, D]: each bag's real tiles embedded in its own pass."""
