@@ -6,9 +6,12 @@ the padded band, the result band and, in backward, the output-gradient band). Th
 * ``peak_tensor_elements``: the largest single tensor, which the strip planner bounds by ``max_elements``;
 * ``peak_strip_elements``: the largest total over the tensors of one strip.
 
-On CUDA the prefetched next input band is resident at the same time, so device memory used by big
-layers is at most ``peak_strip_elements`` plus one more input band; ``torch.cuda.max_memory_allocated``
-is the allocator's own view of the same thing.
+On CUDA with ``overlap=True`` more is resident than the meter sees: the next strip's input bands
+(prefetched) and up to two result bands whose copy back to host RAM is still running, each at most
+``max_elements`` elements. Device memory used by big layers is therefore bounded by about
+``peak_strip_elements + 4 * max_elements`` elements, independent of the input size;
+``torch.cuda.max_memory_allocated`` is the allocator's own view of it (flat in the image size, measured
+on an H100 in ``docs/benchmarks/biglayers_gpu.md``).
 """
 
 from __future__ import annotations

@@ -22,16 +22,21 @@ with the prefetching of the unified-memory pipeline paper:
   submission order, so overlapping halo gradients are added in a fixed order.
 
 ``CudaChannel(overlap=False)`` performs the same staging synchronously; it is the reference the
-double-buffered path is tested against on a GPU machine.
+double-buffered path is tested against on a GPU machine (bit-identical results).
+
+A channel holds per-strip state (pinned slots, pending downloads), so ``channel_for`` keeps one CUDA
+channel per device, mode and thread: big layers running in two threads at once never share pinned slots.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-_CHANNELS: dict[tuple[str, bool], Channel] = {}
+_HOST: Channel | None = None
+_LOCAL = threading.local()  # .channels: {(device, overlap): CudaChannel} of the current thread
 
 
 def _is_channels_last(t: torch.Tensor) -> bool:
@@ -203,15 +208,22 @@ class CudaChannel(Channel):
 
 
 def channel_for(device: torch.device, overlap: bool = True) -> Channel:
-    """The (cached) channel that stages strips for ``device``."""
+    """The channel that stages strips for ``device``: one stateless ``HostChannel`` for the CPU, and one
+    cached ``CudaChannel`` per CUDA device, ``overlap`` mode and calling thread."""
+    global _HOST
     device = torch.device(device)
     if device.type == "cpu":
-        return _CHANNELS.setdefault(("cpu", False), HostChannel())
+        if _HOST is None:
+            _HOST = HostChannel()
+        return _HOST
     if device.type != "cuda":
         raise ValueError(f"big layers support cpu and cuda devices, got {device}")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    cache = getattr(_LOCAL, "channels", None)
+    if cache is None:
+        cache = _LOCAL.channels = {}
     key = (str(device), overlap)
-    if key not in _CHANNELS:
-        _CHANNELS[key] = CudaChannel(device, overlap)
-    return _CHANNELS[key]
+    if key not in cache:
+        cache[key] = CudaChannel(device, overlap)
+    return cache[key]
