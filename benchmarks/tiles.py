@@ -57,7 +57,7 @@ class SlideBags:
         from dpgs.wsi.tiles import TileBagDataset, TileBagItem
         from dpgs.wsi.tiling import TilingParams, tile_directory
 
-        side = max(512, int((4 * tiles) ** 0.5 + 2) * size)  # enough tissue tiles at level 0
+        side = max(512, int((8 * tiles) ** 0.5 + 2) * size)  # enough tissue tiles at level 0
         manifest = write_synthetic_slides(work / "slides", n_slides=bags, seed=seed, size=(side, side),
                                           levels=2)
         tile_directory(manifest.parent / "slides", work / "tiles", TilingParams(tile_size=size, level=0),
