@@ -62,7 +62,9 @@ class ModelConfig(Section):
     encoder: Literal["resnet18", "resnet50"] | None = Field(
         None, description="tile encoder (data.kind=tiles); its output feeds the head"
     )
-    big_stages: int = Field(1, ge=-1, le=4, description="encoder stages run as big layers (-1: dense)")
+    big_stages: int = Field(
+        -1, ge=-1, le=4, description="encoder stages run as big layers (-1: dense; raise if bags do not fit)"
+    )
     max_elements: int = Field(1 << 24, ge=1, description="largest device tensor of one big-layer strip")
     encoder_weights: Path | None = Field(None, description="torchvision-format ResNet state_dict (.pth)")
     freeze_encoder: bool = Field(False, description="frozen baseline: no encoder gradients, eval-mode BN")
