@@ -136,7 +136,7 @@ def amp_errors(big_stages: int, xs, y) -> tuple[float, float]:
     g_exact = torch.cat([p.grad.flatten() for p in exact.parameters()])
     g_amp = torch.cat([p.grad.flatten() for p in amp.parameters()])
     assert not torch.equal(g_amp, g_exact)  # autocast really ran in bfloat16
-    logits = (out_amp["logits"] - out_exact["logits"]).norm() / out_exact["logits"].norm()
+    logits = (out_amp["logits"] - out_exact["logits"]).detach().norm() / out_exact["logits"].detach().norm()
     return float(logits), float((g_amp - g_exact).norm() / g_exact.norm())
 
 
