@@ -23,9 +23,7 @@ from dpgs.data.errors import DataValidationError
 from dpgs.data.experiment import ExperimentData, build_splits
 from dpgs.data.manifest import load_manifest
 from dpgs.wsi.augment import AugmentConfig, BagAugment
-from dpgs.wsi.reader import open_slide
-from dpgs.wsi.tiles import TileBagDataset, TileBagItem, TileLayout, locate_coords, locate_slide
-from dpgs.wsi.tiling import SLIDE_EXTENSIONS
+from dpgs.wsi.tiles import TileBagDataset, locate_slide, tile_items
 
 
 def augment_from_config(section: Any) -> BagAugment | None:
@@ -46,32 +44,6 @@ def augment_from_config(section: Any) -> BagAugment | None:
             blur_sigma=tuple(section.blur_sigma),
         )
     )
-
-
-def check_tile_item(slide_id: str, slide_path: Path | None, coords_path: Path | None,
-                    slides_dir: Path, tiles_dir: Path) -> tuple[TileLayout | None, list[str]]:
-    """(layout, problems) of one slide: files present, readable, non-empty, consistent."""
-    problems = []
-    if slide_path is None:
-        exts = "|".join(e.lstrip(".") for e in SLIDE_EXTENSIONS)
-        problems.append(f"slide '{slide_id}': no slide file {slide_id}.<{exts}> in {slides_dir}")
-    if coords_path is None:
-        problems.append(f"slide '{slide_id}': no coords file {slide_id}.h5 in {tiles_dir}/patches or "
-                        f"{tiles_dir} (run `dpgs tile {slides_dir} {tiles_dir}`)")
-    if problems:
-        return None, problems
-    try:
-        layout = TileLayout.from_h5(coords_path)
-    except (OSError, KeyError, ValueError) as err:
-        return None, [f"{coords_path}: cannot read tile coords ({err})"]
-    if len(layout) == 0:
-        return None, [f"{coords_path}: no tiles (tissue detection kept none; lower --min-tissue)"]
-    try:
-        with open_slide(slide_path) as slide:
-            layout.resolve(slide)
-    except (OSError, ValueError) as err:
-        return None, [f"{slide_path}: {err}"]
-    return layout, []
 
 
 def load_tile_experiment(data_cfg: Any, seed: int = 0, classes: list[str] | None = None,
@@ -96,14 +68,10 @@ def load_tile_experiment(data_cfg: Any, seed: int = 0, classes: list[str] | None
             splits = build_splits(manifest, data_cfg, seed)
         except DataValidationError as err:
             problems += err.problems
-    items = []
-    for record in manifest.records:
-        slide = locate_slide(slides_dir, record.slide_id)
-        coords = locate_coords(tiles_dir, record.slide_id)
-        _, found = check_tile_item(record.slide_id, slide, coords, slides_dir, tiles_dir)
-        problems += found
-        if not found:
-            items.append(TileBagItem(record.slide_id, slide, coords, int(record.label)))
+    try:
+        items = tile_items(manifest.records, slides_dir, tiles_dir)
+    except DataValidationError as err:
+        problems += err.problems
     if problems:
         raise DataValidationError(problems)
     common = dict(tile_size=data_cfg.tile_size, seed=seed, threads=data_cfg.read_threads)

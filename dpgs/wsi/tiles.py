@@ -218,6 +218,51 @@ def locate_coords(tiles_dir: str | Path, slide_id: str) -> Path | None:
     return None
 
 
+def check_tile_item(slide_id: str, slide_path: Path | None, coords_path: Path | None,
+                    slides_dir: Path, tiles_dir: Path) -> list[str]:
+    """Problems of one slide (empty when none): both files present, the coords readable and non-empty,
+    the slide readable and holding the coords' level."""
+    problems = []
+    if slide_path is None:
+        exts = "|".join(e.lstrip(".") for e in SLIDE_EXTENSIONS)
+        problems.append(f"slide '{slide_id}': no slide file {slide_id}.<{exts}> in {slides_dir}")
+    if coords_path is None:
+        problems.append(f"slide '{slide_id}': no coords file {slide_id}.h5 in {tiles_dir}/patches or "
+                        f"{tiles_dir} (run `dpgs tile {slides_dir} {tiles_dir}`)")
+    if problems:
+        return problems
+    try:
+        layout = TileLayout.from_h5(coords_path)
+    except (OSError, KeyError, ValueError) as err:
+        return [f"{coords_path}: cannot read tile coords ({err})"]
+    if len(layout) == 0:
+        return [f"{coords_path}: no tiles (tissue detection kept none; lower --min-tissue)"]
+    try:
+        with open_slide(slide_path) as slide:
+            layout.resolve(slide)
+    except (OSError, ValueError) as err:
+        return [f"{slide_path}: {err}"]
+    return []
+
+
+def tile_items(records, slides_dir: str | Path, tiles_dir: str | Path) -> list[TileBagItem]:
+    """A :class:`TileBagItem` per record (``slide_id``, ``label``); raises one DataValidationError
+    listing the problems of every slide."""
+    from dpgs.data.errors import DataValidationError
+
+    slides_dir, tiles_dir = Path(slides_dir), Path(tiles_dir)
+    items, problems = [], []
+    for r in records:
+        slide, coords = locate_slide(slides_dir, r.slide_id), locate_coords(tiles_dir, r.slide_id)
+        found = check_tile_item(r.slide_id, slide, coords, slides_dir, tiles_dir)
+        problems += found
+        if not found:
+            items.append(TileBagItem(r.slide_id, slide, coords, int(r.label)))
+    if problems:
+        raise DataValidationError(problems)
+    return items
+
+
 class TileBagDataset:
     """Bags of tiles read from slides; ``dataset[i]`` uses the current epoch (:meth:`set_epoch`)."""
 
@@ -262,27 +307,9 @@ class TileBagDataset:
 
     @classmethod
     def from_records(cls, records, slides_dir: str | Path, tiles_dir: str | Path, **kwargs) -> TileBagDataset:
-        """Items for records with ``slide_id`` and ``label``; every missing file is listed in one error."""
-        from dpgs.data.errors import DataValidationError
-
-        items, problems = [], []
-        for r in records:
-            slide = locate_slide(slides_dir, r.slide_id)
-            coords = locate_coords(tiles_dir, r.slide_id)
-            if slide is None:
-                problems.append(
-                    f"slide '{r.slide_id}': no slide file {r.slide_id}.<svs|tif|...> in {slides_dir}"
-                )
-            if coords is None:
-                problems.append(
-                    f"slide '{r.slide_id}': no coords file {r.slide_id}.h5 in {tiles_dir}/patches "
-                    f"or {tiles_dir} (run `dpgs tile`)"
-                )
-            if slide is not None and coords is not None:
-                items.append(TileBagItem(r.slide_id, slide, coords, int(r.label)))
-        if problems:
-            raise DataValidationError(problems)
-        return cls(items, **kwargs)
+        """Items for records with ``slide_id`` and ``label``, each checked by :func:`check_tile_item`;
+        every problem is listed in one :class:`~dpgs.data.errors.DataValidationError`."""
+        return cls(tile_items(records, slides_dir, tiles_dir), **kwargs)
 
     def __len__(self) -> int:
         return len(self.items)
