@@ -36,11 +36,11 @@ restarts it and re-runs its bags like any failed worker.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from dpgs.config.schema import CompressionConfig
+from dpgs.distributed.bag_reader import BagReader
 from dpgs.distributed.codec import GradientEncoder, VersionMismatch, apply_update
 from dpgs.distributed.flat import flat_params, float_buffers, trainable
 from dpgs.distributed.runtime import release_named
@@ -107,27 +107,6 @@ def check_layout(model: torch.nn.Module, spec: SpatialModelSpec) -> None:
                 f"sample-parallel replica and {type(model).__name__} disagree on their {what} at position "
                 f"{first}: {ours[first:first + 1]} vs {theirs[first:first + 1]} "
                 f"({len(ours)} vs {len(theirs)} tensors)")
-
-
-class BagReader:
-    """``dataset.get(index, epoch)``, with the next step's bags read in a background thread."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpgs-group-prefetch")
-        self._ahead: dict[tuple[int, int], Future] = {}
-
-    def take(self, index: int, epoch: int):
-        ahead = self._ahead.pop((epoch, index), None)
-        return ahead.result() if ahead is not None else self.dataset.get(index, epoch)
-
-    def read_ahead(self, indices: list[int], epoch: int) -> None:
-        """Start reading ``indices`` of ``epoch``; bags read ahead for other steps are dropped."""
-        wanted = {(epoch, i) for i in indices}
-        for key in [k for k in self._ahead if k not in wanted]:
-            self._ahead.pop(key).cancel()
-        for key in wanted - self._ahead.keys():
-            self._ahead[key] = self._pool.submit(self.dataset.get, key[1], key[0])
 
 
 class GroupWorkerState:

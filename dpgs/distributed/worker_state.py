@@ -21,11 +21,11 @@ will get in the next step (``prefetch``); they are read in a background thread w
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from dpgs.config.schema import CompressionConfig
+from dpgs.distributed.bag_reader import BagReader
 from dpgs.distributed.codec import GradientEncoder, VersionMismatch, apply_update
 from dpgs.distributed.flat import (
     flat_buffers,
@@ -69,21 +69,7 @@ class WorkerState:
         self.version: int | None = None  # no weights received yet
         self.encoder = GradientEncoder(compression, self.model)
         self.mbps = emulate_bandwidth_mbps
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpgs-bag-prefetch")
-        self._ahead: dict[tuple[int, int], Future] = {}
-
-    def _take(self, index: int, epoch: int):
-        """Bag ``index`` of ``epoch``: the prefetched copy when there is one, else read now."""
-        ahead = self._ahead.pop((epoch, index), None)
-        return ahead.result() if ahead is not None else self.dataset.get(index, epoch)
-
-    def _read_ahead(self, indices: list[int], epoch: int) -> None:
-        """Start reading ``indices`` of ``epoch``; bags read ahead for other steps are dropped."""
-        wanted = {(epoch, i) for i in indices}
-        for key in [k for k in self._ahead if k not in wanted]:
-            self._ahead.pop(key).cancel()
-        for key in wanted - self._ahead.keys():
-            self._ahead[key] = self._reader.submit(self.dataset.get, key[1], key[0])
+        self.reader = BagReader(dataset)
 
     def receive(self, update: bytes) -> None:
         """Apply a delta or snapshot payload; raises VersionMismatch when it does not fit."""
@@ -121,12 +107,12 @@ class WorkerState:
             "n_bags": len(indices),
         }
         if not indices:
-            self._read_ahead(list(prefetch), epoch)
+            self.reader.read_ahead(list(prefetch), epoch)
             stats.update(compute_seconds=0.0, payload_bytes=0, dense_bytes=0, losses=[], slide_ids=[])
             return b"", None, stats
         load_start = time.perf_counter()
-        bags = [self._take(i, epoch) for i in indices]
-        self._read_ahead(list(prefetch), epoch)
+        bags = [self.reader.take(i, epoch) for i in indices]
+        self.reader.read_ahead(list(prefetch), epoch)
         compute_start = time.perf_counter()
         torch.manual_seed(self.seed * 1_000_003 + step * 8191 + indices[0])
         self.model.train()
