@@ -26,9 +26,9 @@ from dpgs.wsi.features import (
     extract_directory,
     is_finished,
 )
-from dpgs.wsi.synthetic import write_synthetic_slides
 from dpgs.wsi.tiles import TileBagDataset, TileLayout
-from dpgs.wsi.tiling import TilingParams, read_coords_h5, tile_directory
+from dpgs.wsi.tiling import read_coords_h5
+from tests.tile_helpers import write_tiled_slides
 
 ATOL = 1e-5
 
@@ -37,10 +37,7 @@ ATOL = 1e-5
 def tiled(tmp_path_factory):
     """Two synthetic slides tiled at 32 px of level 1, and a trained-looking run directory."""
     root = tmp_path_factory.mktemp("extract")
-    manifest = write_synthetic_slides(root / "demo", n_slides=2, size=(768, 512))
-    slides, tiles = manifest.parent / "slides", root / "tiles"
-    report = tile_directory(slides, tiles, TilingParams(tile_size=32, level=1), progress=False)
-    assert report.counts["tiled"] == 2
+    manifest, slides, tiles = write_tiled_slides(root, n_slides=2, size=(768, 512), level=1, levels=3)
     return SimpleNamespace(root=root, manifest=manifest, slides=slides, tiles=tiles,
                            run_dir=write_run(root / "run", manifest, slides, tiles))
 

@@ -19,9 +19,9 @@ from dpgs.config import load_config, save_config
 from dpgs.modeling import ModelSpec
 from dpgs.tracking import RunTracker
 from dpgs.wsi.reader import open_slide
-from dpgs.wsi.synthetic import write_synthetic_slides
 from dpgs.wsi.tiles import TileBagDataset, TileBagItem
-from dpgs.wsi.tiling import TilingParams, read_coords_h5, tile_directory
+from dpgs.wsi.tiling import read_coords_h5
+from tests.tile_helpers import write_tiled_slides
 
 EXPERIMENT = "heatmaps-test"
 
@@ -30,10 +30,7 @@ EXPERIMENT = "heatmaps-test"
 def env(tmp_path_factory):
     """Two tiled synthetic slides, a run directory with a saved TileMIL and its MLflow run."""
     root = tmp_path_factory.mktemp("heatmap")
-    manifest = write_synthetic_slides(root / "demo", n_slides=2, size=(768, 512))
-    slides, tiles = manifest.parent / "slides", root / "tiles"
-    report = tile_directory(slides, tiles, TilingParams(tile_size=32, level=1), progress=False)
-    assert report.counts["tiled"] == 2
+    manifest, slides, tiles = write_tiled_slides(root, n_slides=2, size=(768, 512), level=1, levels=3)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     run_dir = root / "run"
     config = load_config(None, [

@@ -10,9 +10,10 @@ from dpgs.wsi.tiling import TilingParams, tile_directory
 
 
 def write_tiled_slides(root: Path, n_slides: int = 6, size: tuple[int, int] = (384, 256),
-                       level: int = 0) -> tuple[Path, Path, Path]:
-    """(manifest, slides_dir, tiles_dir): ``n_slides`` synthetic slides, tiles of 32 px at ``level``."""
-    manifest = write_synthetic_slides(root / "demo", n_slides=n_slides, seed=0, size=size, levels=2)
+                       level: int = 0, levels: int = 2) -> tuple[Path, Path, Path]:
+    """(manifest, slides_dir, tiles_dir): ``n_slides`` synthetic slides (``levels`` pyramid levels), tiles
+    of 32 px at ``level``."""
+    manifest = write_synthetic_slides(root / "demo", n_slides=n_slides, seed=0, size=size, levels=levels)
     tiles = root / "tiles"
     report = tile_directory(manifest.parent / "slides", tiles, TilingParams(tile_size=32, level=level),
                             progress=False)

@@ -41,10 +41,10 @@ import torch
 
 from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.bag_reader import BagReader
-from dpgs.distributed.codec import GradientEncoder, VersionMismatch, apply_update
+from dpgs.distributed.codec import GradientEncoder, apply_update
 from dpgs.distributed.flat import flat_params, float_buffers, trainable
 from dpgs.distributed.runtime import release_named
-from dpgs.distributed.worker_state import emulate_link
+from dpgs.distributed.worker_state import emulate_link, receive_update
 from dpgs.spatial.group import SampleParallelGroup
 from dpgs.spatial.rank import SpatialModelSpec
 
@@ -175,16 +175,10 @@ class GroupWorkerState:
         gradient of each bag's loss.
         """
         start = time.perf_counter()
-        down_link_seconds = 0.0
-        changed = False
-        if update is not None:
-            down_link_seconds = emulate_link(len(update), self.mbps)
-            try:
-                self.receive(update)
-            except VersionMismatch as err:
-                return b"", None, {"rank": self.rank, "needs_resync": True, "reason": str(err)}
-            changed = True
-        self.group.set_state(params=self.flat if changed else None, buffers=buffers)
+        down_link_seconds, resync = receive_update(self, update)
+        if resync is not None:
+            return b"", None, resync
+        self.group.set_state(params=None if update is None else self.flat, buffers=buffers)
         stats: dict = {"rank": self.rank, "needs_resync": False, "version": self.version,
                        "n_bags": len(indices), "ranks": self.group.grid.size, "group_restarts": 0,
                        **dict.fromkeys(TRAFFIC, 0)}

@@ -39,6 +39,22 @@ from dpgs.modeling import input_to
 from dpgs.train.steps import batch_loss
 
 
+def receive_update(worker, update: bytes | None) -> tuple[float, dict | None]:
+    """Apply the master's ``update`` (if any) with ``worker.receive``.
+
+    Returns (seconds the update spent on the emulated link, the ``needs_resync`` answer of the step when
+    the update does not continue the worker's weight version, else None).
+    """
+    if update is None:
+        return 0.0, None
+    seconds = emulate_link(len(update), worker.mbps)  # the master's update reaching the worker
+    try:
+        worker.receive(update)
+    except VersionMismatch as err:
+        return seconds, {"rank": worker.rank, "needs_resync": True, "reason": str(err)}
+    return seconds, None
+
+
 def emulate_link(nbytes: int, mbps: float | None) -> float:
     """Sleep for the transfer time of ``nbytes`` over a ``mbps`` link; returns the seconds slept."""
     if not mbps:
@@ -92,13 +108,9 @@ class WorkerState:
         ``prefetch``: bags (of the same ``epoch``) to read in the background for the next step.
         """
         start = time.perf_counter()
-        down_link_seconds = 0.0
-        if update is not None:
-            down_link_seconds = emulate_link(len(update), self.mbps)  # the master's update reaching us
-            try:
-                self.receive(update)
-            except VersionMismatch as err:
-                return b"", None, {"rank": self.rank, "needs_resync": True, "reason": str(err)}
+        down_link_seconds, resync = receive_update(self, update)
+        if resync is not None:
+            return b"", None, resync
         load_flat_buffers(self.model, buffers)
         stats: dict = {
             "rank": self.rank,
