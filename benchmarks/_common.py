@@ -10,7 +10,7 @@ import torch
 
 from dpgs.config import load_config
 from dpgs.data import write_demo_data
-from dpgs.train.trainer import run_training
+from dpgs.runner import run_training
 
 MACHINE = "2-core CPU VM, 24 GiB RAM, no GPU"
 

@@ -19,7 +19,7 @@ import torch
 
 from dpgs.config import load_config
 from dpgs.data import write_demo_data
-from dpgs.train.trainer import run_training
+from dpgs.runner import run_training
 
 
 def train(mode: str, manifest: Path, work: Path, args, extra=()) -> dict:

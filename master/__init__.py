@@ -1,5 +1,5 @@
 """Ray master actor (thin wrapper; the logic lives in ``dpgs.distributed.master_state``)."""
 
-from master.actor import Master
+from dpgs.master.actor import Master
 
 __all__ = ["Master"]

@@ -23,6 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from dpgs.config import ConfigError, load_config
     from dpgs.data import DataValidationError
+    from dpgs.errors import RunFailure
 
     overrides = list(args.overrides)
     if args.tracking_uri:
@@ -39,20 +40,15 @@ def run(args) -> int:
             config = attach_resume(config, args.resume)
         if config.data.manifest is None:
             raise ConfigError("data.manifest is required (set it in the config or as data.manifest=PATH)")
-        from dpgs.train.trainer import run_training
+        from dpgs.runner import run_training
 
         result = run_training(config)
     except (ConfigError, DataValidationError, FileNotFoundError, ValueError) as err:
         print(f"dpgs train: error: {err}", file=sys.stderr)
         return 2
-    except RuntimeError as err:
-        from dpgs.distributed.engine import WorkerFailure
-        from dpgs.distributed.runtime import ClusterError
-
-        if not isinstance(err, ClusterError | WorkerFailure):
-            raise
+    except RunFailure as err:
         print(f"dpgs train: error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ClusterError) else 3
+        return err.exit_code
     print("\nfinal metrics:")
     for key, value in sorted(result.summary.items()):
         print(f"  {key:28s} {value:.4f}" if isinstance(value, float) else f"  {key:28s} {value}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -30,6 +31,18 @@ class Bag:
     features: torch.Tensor  # float32 [N, D]
     label: int
     coords: torch.Tensor | None = None  # [N, 2]
+
+
+class BagSource(Protocol):
+    """What training and evaluation read bags from (``BagDataset``, ``dpgs.wsi.tiles.TileBagDataset``)."""
+
+    records: Sequence[Any]  # per bag: ``slide_id``, ``label``
+
+    def get(self, index: int, epoch: int) -> Any:
+        """Bag ``index`` (``slide_id``, ``features``, ``label``) as epoch ``epoch`` reads it."""
+
+    def lengths(self) -> list[int]:
+        """Instances ``get`` returns per bag (DPGS balances workers on it), from metadata only."""
 
 
 class BagDataset:

@@ -1,9 +1,10 @@
 """Background loading of batches so that reading bags overlaps with compute.
 
-``Prefetcher(dataset, batches, depth)`` iterates over ``batches`` (lists of dataset indices) and yields
-``[dataset[i] for i in batch]``. A daemon thread loads up to ``depth`` batches ahead into a bounded
-queue; ``depth = 0`` loads synchronously in the caller's thread. An exception raised while loading is
-re-raised in the consumer at the position of the failing batch. Leaving the loop early (``break``, an
+``Prefetcher(dataset, batches, depth, epoch)`` iterates over ``batches`` (lists of dataset indices) and
+yields ``[dataset.get(i, epoch) for i in batch]`` (any :class:`~dpgs.data.dataset.BagSource`). A daemon
+thread loads up to ``depth`` batches ahead into a bounded queue; ``depth = 0`` loads synchronously in the
+caller's thread. An exception raised while loading is re-raised in the consumer at the position of the
+failing batch. Leaving the loop early (``break``, an
 exception, garbage collection of the iterator) or calling :meth:`close` stops and joins the thread.
 """
 
@@ -26,19 +27,20 @@ class _Failure:
 class Prefetcher:
     """Iterable over loaded batches; single use."""
 
-    def __init__(self, dataset: Any, batches: Iterable[Sequence[int]], depth: int = 2):
+    def __init__(self, dataset: Any, batches: Iterable[Sequence[int]], depth: int = 2, epoch: int = 0):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self.dataset = dataset
         self.batches = batches
         self.depth = depth
+        self.epoch = epoch
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._used = False
 
     def _load(self, batch: Sequence[int]) -> list:
-        return [self.dataset[i] for i in batch]
+        return [self.dataset.get(i, self.epoch) for i in batch]
 
     def _offer(self, item: Any) -> bool:
         """Put ``item`` unless asked to stop; returns False when stopped."""

@@ -30,14 +30,15 @@ from dpgs.config import Config
 from dpgs.distributed.assignment import assign_lpt, imbalance
 from dpgs.distributed.codec import keep_ratio_at
 from dpgs.distributed.runtime import connect, release, release_named, reserve, worker_resources
+from dpgs.errors import RunFailure
+from dpgs.master import Master
 from dpgs.modeling import ModelSpec
-from master import Master
-from workers import BagWorker, GroupWorker
+from dpgs.workers import BagWorker, GroupWorker
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(RunFailure):
     """Workers kept failing past ``dpgs.max_worker_restarts``; a checkpoint was written."""
 
 

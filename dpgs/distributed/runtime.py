@@ -28,12 +28,15 @@ from ray.util.placement_group import (
 )
 
 from dpgs.config.schema import DpgsConfig
+from dpgs.errors import RunFailure
 
 PLACEMENT_TIMEOUT_S = 60.0
 
 
-class ClusterError(RuntimeError):
+class ClusterError(RunFailure):
     """Ray cannot be reached or cannot host the requested workers."""
+
+    exit_code = 2
 
 
 def _default_object_store_bytes() -> int:

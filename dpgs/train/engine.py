@@ -1,8 +1,9 @@
-"""Single-process training engine: one model, one optimizer, every non-distributed mode.
+"""The engine contract of the trainer, and the single-process engine (every non-distributed mode).
 
-An engine runs the optimizer steps of an epoch and exposes the current model for evaluation; the DPGS
-engine (``dpgs.distributed.engine``) implements the same interface on Ray actors, so the trainer loop
-is shared.
+An :class:`Engine` runs the optimizer steps of an epoch and exposes the current model for evaluation; a
+:class:`Session` lives for a whole ``dpgs train`` command and builds one engine per fold (the DPGS session,
+``dpgs.distributed.session``, keeps Ray and its actors across folds). The trainer only knows these two
+protocols, so ``dpgs.train`` never imports ``dpgs.distributed``; ``dpgs.runner`` picks the session.
 
 Gradient accumulation over ``accumulation_steps`` batches back-propagates ``loss / accumulation_steps``
 and zeroes gradients only after the optimizer step that consumed them. A partial accumulation window at
@@ -12,15 +13,80 @@ the end of an epoch is rescaled to the mean over the batches it holds and applie
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
-from dpgs.config.schema import TrainConfig
+from dpgs.config.schema import Config, TrainConfig
 from dpgs.data import Prefetcher
 from dpgs.modeling import input_to
 from dpgs.train.optim import build_optimizer, build_scheduler
 from dpgs.train.steps import batch_loss, check_mode_supported
+
+
+@dataclass
+class FoldSetup:
+    """What an engine needs to train one fold: the model's recipe and initial weights, the training data."""
+
+    config: Config
+    spec: Any  # dpgs.modeling.ModelSpec
+    model: torch.nn.Module  # initial weights; the engine trains it (or a copy of its state)
+    class_weights: torch.Tensor | None
+    dataset: Any
+    train_indices: list[int]
+    device: torch.device
+    output_dir: Path
+
+
+class Engine(Protocol):
+    """One fold's optimizer steps (single process or DPGS); the trainer relies on nothing else."""
+
+    def run_epoch(self, batches: list[list[int]], epoch: int, history: list[dict]) -> dict:
+        """Train on the epoch's batches of bag indices; returns at least ``train_loss``, ``train_seconds``
+        and ``optimizer_steps`` (MLflow metrics of the epoch)."""
+
+    def eval_model(self) -> torch.nn.Module:
+        """The model with the current weights, for evaluation on the driver."""
+
+    def state_dict(self) -> dict:
+        """The current weights (what ``last.pt`` and ``best.pt`` hold)."""
+
+    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path | None:
+        """Save what a resume needs before step ``step_in_epoch`` of ``epoch``; None if not resumable."""
+
+    def restore(self, checkpoint: dict) -> dict:
+        """Continue from ``checkpoint``; returns its driver part (``epoch``, ``history``)."""
+
+    def final_metrics(self) -> dict:
+        """Metrics logged once at the end of the fold (for example ``worker_restarts``)."""
+
+    def close(self) -> None:
+        """Release what the engine holds for this fold."""
+
+
+class Session(Protocol):
+    """What one ``dpgs train`` command holds while it trains all its folds."""
+
+    def engine(self, setup: FoldSetup) -> Engine:
+        """The engine of one fold."""
+
+    def close(self) -> None:
+        """Release everything (called once, after the last fold)."""
+
+
+class LocalSession:
+    """Single-process modes: a fresh :class:`LocalEngine` per fold, nothing held between folds."""
+
+    def engine(self, setup: FoldSetup) -> LocalEngine:
+        cfg = setup.config
+        return LocalEngine(setup.model, cfg.train, setup.device, setup.class_weights, cfg.seed, setup.dataset,
+                           cfg.data.prefetch)
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class LocalEngine:
@@ -89,11 +155,9 @@ class LocalEngine:
         Returns ``train_loss`` (mean per bag) and ``train_seconds``.
         """
         self.model.train()
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)  # tile bags: the epoch's tile sample and augmentation
         total, count, steps_before = 0.0, 0, self.steps
         start = time.perf_counter()
-        loaded = Prefetcher(self.dataset, batches, depth=self.prefetch)
+        loaded = Prefetcher(self.dataset, batches, depth=self.prefetch, epoch=epoch)  # tiles: epoch's sample
         for bags in tqdm(loaded, total=len(batches), desc=f"epoch {epoch}", leave=False, disable=None):
             loss_sum, n = self.train_batch(bags)
             total += loss_sum
@@ -112,6 +176,16 @@ class LocalEngine:
 
     def state_dict(self) -> dict:
         return self.model.state_dict()
+
+    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> None:
+        """Single-process runs are not resumable mid-run (``last.pt``/``best.pt`` hold their weights)."""
+        return None
+
+    def restore(self, checkpoint: dict) -> dict:
+        raise ValueError("--resume needs train.mode=dpgs (single-process runs restart from best.pt)")
+
+    def final_metrics(self) -> dict:
+        return {}
 
     def close(self) -> None:
         """Nothing to release in-process."""

@@ -1,7 +1,8 @@
 """The training loop shared by every mode: epochs, validation, early stopping, checkpoints, MLflow.
 
-``run_training(config)`` validates all inputs first (nothing is written when they are bad), then
-trains one run, or a parent run with one nested run per fold when ``data.folds > 1``.
+``run_training(config, session)`` validates all inputs first (nothing is written when they are bad), then
+trains one run, or a parent run with one nested run per fold when ``data.folds > 1``, with the engines of
+``session`` (:class:`~dpgs.train.engine.Session`; ``dpgs.runner.run_training`` picks it from the mode).
 
 Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives ``config.yaml``, ``classes.json``,
 ``metrics.csv`` (one row per epoch), ``last.pt`` and ``best.pt`` (plain state_dicts),
@@ -29,7 +30,7 @@ from dpgs.modeling import ModelSpec, initial_model, resolve_device
 from dpgs.plots import plot_training_curves
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
-from dpgs.train.engine import LocalEngine
+from dpgs.train.engine import Engine, FoldSetup, Session
 from dpgs.train.evaluate import predict, sampled_protocol
 from dpgs.train.optim import class_weights_for
 
@@ -56,15 +57,6 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % (2**32))
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def make_engine(config: Config, spec: ModelSpec, model, device, class_weights, dataset, train_idx):
-    """LocalEngine for single-process modes, the Ray DPGS engine for ``train.mode=dpgs``."""
-    if config.train.mode == "dpgs":
-        from dpgs.distributed.engine import DpgsEngine
-
-        return DpgsEngine(config, model, class_weights, (dataset, train_idx), spec)
-    return LocalEngine(model, config.train, device, class_weights, config.seed, dataset, config.data.prefetch)
 
 
 def is_improvement(value: float, best: float | None, mode: str) -> bool:
@@ -113,7 +105,7 @@ class FoldTrainer:
             writer.writerows(history)
         return path
 
-    def run(self, tracker: RunTracker) -> FoldResult:
+    def run(self, tracker: RunTracker, session: Session) -> FoldResult:
         cfg = self.config
         seed_everything(cfg.seed, cfg.train.deterministic)
         train_idx, val_idx, test_idx = self.split.train, self.split.val, self.split.test
@@ -138,12 +130,13 @@ class FoldTrainer:
         (self.out_dir / "run.json").write_text(json.dumps(
             {"run_id": tracker.run_id, "experiment": cfg.experiment, "tracking_uri": cfg.tracking.uri}
         ))
-        engine = make_engine(cfg, spec, model, self.device, class_weights, self.dataset, train_idx)
+        engine: Engine = session.engine(FoldSetup(cfg, spec, model, class_weights, self.dataset, train_idx,
+                                                  self.device, self.out_dir))
         monitor, mode = cfg.train.early_stopping.monitor, cfg.train.early_stopping.mode
         history: list[dict] = []
         best_value, best_epoch, best_elapsed, stale = None, 0, 0.0, 0
         first_epoch, elapsed_before = 1, 0.0
-        if cfg.dpgs.resume is not None and cfg.train.mode == "dpgs":
+        if cfg.dpgs.resume is not None:
             driver = engine.restore(torch.load(cfg.dpgs.resume, weights_only=True))
             history, first_epoch = list(driver["history"]), int(driver["epoch"])
             elapsed_before = history[-1]["elapsed_seconds"] if history else 0.0
@@ -182,8 +175,7 @@ class FoldTrainer:
                     stale += 1
                 tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
                 self._write_history(history)
-                if hasattr(engine, "checkpoint"):
-                    engine.checkpoint(epoch + 1, 0, history)
+                engine.checkpoint(epoch + 1, 0, history)
                 summary = ", ".join(
                     f"{k}={v:.4f}" for k, v in row.items() if k.startswith(("train_loss", "val_"))
                 )
@@ -211,7 +203,7 @@ class FoldTrainer:
                     )
                 )
             test.update({"best_epoch": best_epoch, "time_to_best_seconds": best_elapsed})
-            test.update(getattr(engine, "final_metrics", dict)())
+            test.update(engine.final_metrics())
             tracker.log_metrics(test)
         finally:
             engine.close()
@@ -244,8 +236,9 @@ def prepare_output_dir(config: Config, out_dir: Path, classes: list[str]) -> Non
     (out_dir / "classes.json").write_text(json.dumps(classes))
 
 
-def run_training(config: Config) -> TrainingResult:
-    """Validate inputs, then train every split; returns the (parent) run id and the results."""
+def run_training(config: Config, session: Session) -> TrainingResult:
+    """Validate inputs, then train every split with ``session``'s engines; returns the (parent) run id and
+    the results. The caller owns ``session`` (and closes it)."""
     data = load_experiment_data(config.data, seed=config.seed)  # raises before anything is written
     tags = {"dpgs.mode": config.train.mode, "dpgs.model": config.model.name}
     params = flatten(config_to_dict(config))
@@ -260,7 +253,7 @@ def run_training(config: Config) -> TrainingResult:
         try:
             fold = FoldTrainer(
                 config, data.dataset, data.manifest.classes, data.splits[0], root, data.eval_dataset
-            ).run(tracker)
+            ).run(tracker, session)
         except BaseException:
             tracker.end("FAILED")
             raise
@@ -284,7 +277,7 @@ def run_training(config: Config) -> TrainingResult:
                 folds.append(
                     FoldTrainer(
                         config, data.dataset, data.manifest.classes, split, out_dir, data.eval_dataset
-                    ).run(child)
+                    ).run(child, session)
                 )
             except BaseException:
                 child.end("FAILED")

@@ -264,7 +264,7 @@ def tile_items(records, slides_dir: str | Path, tiles_dir: str | Path) -> list[T
 
 
 class TileBagDataset:
-    """Bags of tiles read from slides; ``dataset[i]`` uses the current epoch (:meth:`set_epoch`)."""
+    """Bags of tiles read from slides; ``get(i, epoch)`` samples and augments as that epoch does."""
 
     def __init__(
         self,
@@ -287,7 +287,6 @@ class TileBagDataset:
         self.normalize = normalize
         self.threads = threads
         self.backend = backend
-        self.epoch = 0
         self._layouts: dict[int, TileLayout] = {}
         self._lock = threading.Lock()
 
@@ -314,9 +313,6 @@ class TileBagDataset:
     def __len__(self) -> int:
         return len(self.items)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
     def layout(self, i: int) -> TileLayout:
         with self._lock:
             if i not in self._layouts:
@@ -328,7 +324,7 @@ class TileBagDataset:
         return [len(self.layout(i)) for i in range(len(self))]
 
     def lengths(self) -> list[int]:
-        """Number of tiles ``dataset[i]`` returns: ``min(tiles, tiles_per_bag)`` (DPGS balances on it)."""
+        """Number of tiles ``get(i, epoch)`` returns: ``min(tiles, tiles_per_bag)`` (DPGS balances on it)."""
         k = self.tiles_per_bag
         return [n if k is None else min(n, k) for n in self.tile_counts()]
 
@@ -343,7 +339,7 @@ class TileBagDataset:
             return TileBag(item.slide_id, raw, item.label, coords, idx)
         x = to_float_tiles(raw)
         if self.augment is not None and len(idx) > 0:
-            key = self.epoch if generator_key is None else generator_key
+            key = 0 if generator_key is None else generator_key
             gen = torch.Generator().manual_seed(
                 int(np.random.default_rng([self.seed, key, i]).integers(2**62))
             )
@@ -353,16 +349,17 @@ class TileBagDataset:
         return TileBag(item.slide_id, x, item.label, coords, idx)
 
     def get(self, i: int, epoch: int) -> TileBag:
-        """Bag ``i`` as epoch ``epoch`` samples and augments it (independent of :meth:`set_epoch`)."""
+        """Bag ``i`` as epoch ``epoch`` samples and augments it."""
         idx = sample_indices(len(self.layout(i)), self.tiles_per_bag, self.seed, epoch, i)
         return self.read(i, idx, generator_key=epoch)
 
     def __getitem__(self, i: int) -> TileBag:
-        return self.get(i, self.epoch)
+        """Bag ``i`` as epoch 0 samples it."""
+        return self.get(i, 0)
 
 
 def iterate_bags(dataset: TileBagDataset, order: Sequence[int], prefetch: int = 1) -> Iterator[TileBag]:
-    """``dataset[i]`` for ``i`` in ``order``, reading up to ``prefetch`` bags ahead in a background thread."""
+    """``dataset.get(i, 0)`` for ``i`` in ``order``, reading up to ``prefetch`` bags ahead in a thread."""
     from dpgs.data.prefetch import Prefetcher
 
     for batch in Prefetcher(dataset, [[i] for i in order], depth=prefetch):

@@ -71,4 +71,4 @@ def test_round_trip_and_flatten(tmp_path):
 def test_shipped_configs_validate(name):
     from pathlib import Path
 
-    load_config(Path(__file__).parent.parent / "configs" / name)
+    load_config(Path(__file__).parents[2] / "configs" / name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -27,8 +28,10 @@ def free_port() -> int:
 @pytest.fixture
 def cluster(tmp_path):
     port = free_port()
-    # token authentication, as the README recommends for clusters (the token is ~/.ray/auth_token)
-    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token"}
+    # token authentication, as the README recommends for clusters; the token is the test's own (a fresh
+    # machine has no ~/.ray/auth_token), passed to every node and to the driver through the environment
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_JOB_ID", None)
     temp = Path("/tmp") / f"dpgs-ray-{port}"  # Ray limits socket path lengths: keep it short
     head = [

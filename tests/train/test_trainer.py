@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from dpgs.cli import main
 from dpgs.data import DataValidationError
-from dpgs.train.trainer import run_training
+from dpgs.runner import run_training
 from tests.dpgs_helpers import make_config, write_bags
 
 LENGTHS = [3, 40, 7, 1, 90, 12, 5, 30, 2, 60, 8, 15, 4, 22, 9, 11, 6, 50, 13, 2]

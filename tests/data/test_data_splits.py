@@ -2,9 +2,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from data_helpers import write_csv
 
 from dpgs.data import DataValidationError, Manifest, SlideRecord, clam_splits, kfold_splits, manifest_split
+from tests.data_helpers import write_csv
 
 
 def make_manifest(n=120, classes=3, seed=0, splits=None):

@@ -1,7 +1,7 @@
 import pytest
-from data_helpers import write_csv, write_h5
 
 from dpgs.data import DataValidationError, load_manifest
+from tests.data_helpers import write_csv, write_h5
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import pytest
-from data_helpers import write_csv, write_h5, write_pt
 
 from dpgs.data import DataValidationError, load_manifest, resolve_layout
+from tests.data_helpers import write_csv, write_h5, write_pt
 
 
 def test_plain_layout_prefers_h5_over_pt(tmp_path):

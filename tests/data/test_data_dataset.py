@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data_helpers import write_h5, write_pt
 
 import dpgs.data.dataset as dataset_module
 from dpgs.data import BagDataset, ByteLRUCache, Prefetcher, SlideRecord
+from tests.data_helpers import write_h5, write_pt
 
 
 def records_for(tmp_path: Path, n=6, length=10, d=8, dtype=np.float16):
@@ -115,7 +115,7 @@ class SlowDataset:
     def __init__(self, delay, fail_at=None):
         self.delay, self.fail_at = delay, fail_at
 
-    def __getitem__(self, i):
+    def get(self, i, epoch):
         time.sleep(self.delay)
         if i == self.fail_at:
             raise OSError(f"disk error at {i}")

@@ -12,8 +12,8 @@ from dpgs.config import ConfigError
 from dpgs.data import DataValidationError, load_experiment_data
 from dpgs.distributed.engine import DpgsEngine
 from dpgs.modeling import ModelSpec
+from dpgs.runner import run_training
 from dpgs.train.engine import LocalEngine
-from dpgs.train.trainer import run_training
 from tests.tile_helpers import tile_config, write_tiled_slides
 
 

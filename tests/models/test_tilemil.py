@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _biglayers_reference import dense_resnet
 
 from dpgs.config.schema import ModelConfig
 from dpgs.modeling import build_model
 from dpgs.models import build_head
 from dpgs.models.tilemil import TileMIL, build_encoder, load_encoder_weights
 from dpgs.train.batching import pack_batch, pad_batch
+from tests._biglayers_reference import dense_resnet
 
 
 def tile_model(big_stages: int = 1, freeze: bool = False, head: str = "abmil", chunk: int = 256,

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from _biglayers_reference import dense_resnet
 
 from dpgs.biglayers import resnet18, resnet50
+from tests._biglayers_reference import dense_resnet
 
 F64 = torch.float64
 BUILD = {"resnet18": resnet18, "resnet50": resnet50}

@@ -16,11 +16,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from _biglayers_reference import dense_resnet
 from torch import nn
 
 from dpgs.biglayers import BigBatchNorm2d, BigConfig, BigConv2d, BigMaxPool2d, resnet18, resnet50
 from dpgs.biglayers.transfer import CudaChannel, channel_for
+from tests._biglayers_reference import dense_resnet
 
 pytestmark = [
     pytest.mark.gpu,

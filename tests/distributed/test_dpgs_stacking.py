@@ -10,8 +10,8 @@ import torch
 
 from dpgs.distributed.engine import DpgsEngine
 from dpgs.modeling import ModelSpec
+from dpgs.runner import run_training
 from dpgs.train.engine import LocalEngine
-from dpgs.train.trainer import run_training
 from tests.dpgs_helpers import experiment_data, make_config, write_bags
 
 pytestmark = pytest.mark.ray

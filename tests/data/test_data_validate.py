@@ -2,7 +2,6 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from data_helpers import write_csv, write_h5, write_pt
 
 from dpgs.config.schema import DataConfig
 from dpgs.data import (
@@ -14,6 +13,7 @@ from dpgs.data import (
     read_bag,
     validate_inputs,
 )
+from tests.data_helpers import write_csv, write_h5, write_pt
 
 
 def manifest_for(tmp_path, slides, header=("slide_id", "label"), **kw):

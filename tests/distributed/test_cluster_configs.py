@@ -17,7 +17,7 @@ from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.scripts.scripts import start as ray_start
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ["cluster.yaml", "cluster-aws.yaml"]
 BLOCK = re.compile(
     r"<!-- install-commands -->\s*```(?:bash|sh)?\n(.*?)```\s*<!-- /install-commands -->", re.S
