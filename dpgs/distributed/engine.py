@@ -26,7 +26,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from dpgs.config import Config
+from dpgs.config import Config, config_to_dict
 from dpgs.distributed.assignment import assign_lpt, imbalance
 from dpgs.distributed.codec import keep_ratio_at
 from dpgs.distributed.runtime import connect, release, release_named, reserve, worker_resources
@@ -179,6 +179,7 @@ class DpgsEngine:
             "worker_restarts": self.restarts,
             "torch_rng": torch.get_rng_state(),
             "seed": self.config.seed,
+            "config": config_to_dict(self.config),  # what a resume compares its own config with
         }
         path = self.out_dir / CHECKPOINT_NAME
         ray.get(self.master.save_checkpoint.remote(str(path), extra), timeout=self.timeout)
