@@ -1,5 +1,5 @@
-"""Ray master actor (thin wrapper; the logic lives in ``dpgs.distributed.master_state``)."""
+"""The DPGS master role (installed as ``dpgs.master``)."""
 
-from dpgs.master.actor import Master
+from dpgs.master.master import Master
 
 __all__ = ["Master"]

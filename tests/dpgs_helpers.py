@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import csv
+from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 
 from dpgs.config import load_config
 from dpgs.data import load_experiment_data
+from dpgs.train.engine import FoldSetup
 
 
 def write_bags(root: Path, lengths: list[int], dim: int = 8, seed: int = 0) -> tuple[Path, Path]:
@@ -50,3 +53,17 @@ def make_config(manifest: Path, feats_dir: Path, out: Path, *overrides: str):
 
 def experiment_data(config):
     return load_experiment_data(config.data, seed=config.seed)
+
+
+@contextmanager
+def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None):
+    """A DPGS engine for one fold on its own session (closed on exit)."""
+    from dpgs.distributed.session import DpgsSession
+
+    session = DpgsSession(config)
+    setup = FoldSetup(config, spec, model, class_weights, dataset, list(train_indices), torch.device("cpu"),
+                      Path(config.train.output_dir))
+    try:
+        yield session.engine(setup)
+    finally:
+        session.close()

@@ -1,7 +1,7 @@
-"""Ray worker actors (thin wrappers; the logic lives in ``dpgs.distributed.worker_state`` and
-``dpgs.distributed.group_worker_state``)."""
+"""The DPGS worker roles (installed as ``dpgs.workers``): one base worker and its variants."""
 
-from dpgs.workers.actor import BagWorker
-from dpgs.workers.group_actor import GroupWorker
+from dpgs.workers.bag import BagWorker
+from dpgs.workers.base import BagGradients, Worker
+from dpgs.workers.group import GroupWorker
 
-__all__ = ["BagWorker", "GroupWorker"]
+__all__ = ["BagGradients", "BagWorker", "GroupWorker", "Worker"]

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from dpgs.compression import wire
-from dpgs.compression.dtypes import VALUE_DTYPES, get_value_dtype, to_bits
+from dpgs.compression.dtypes import VALUE_DTYPES, ValueDtype, get_value_dtype, to_bits
 from dpgs.compression.layout import ParamLayout
 from dpgs.compression.sparsify import check_finite, dense_positions, keep_count, sparsify_
 from dpgs.compression.wire import PayloadError
@@ -111,6 +111,18 @@ class DeltaBroadcaster:
             raise ValueError(f"keep_ratio must be in [0, 1], got {value}")
         self._keep_ratio = value
 
+    def restart(self, held: torch.Tensor, version: int) -> None:
+        """Continue from workers that hold ``held`` at ``version`` (a new run, a resume or a resync): the next
+        ``step`` sends the delta from ``held`` to the new parameters as version ``version + 1``."""
+        held = _flat32(held)
+        if self._magnitude is None or self._magnitude.numel() != held.numel():
+            self._setup(held.numel())
+        check_finite(held, self._magnitude, "params")
+        self.held = held.clone()
+        self.version = int(version)
+        self.steps_since_sync = 0
+        self._sync_requested = False
+
     def request_sync(self) -> None:
         """Make the next ``step`` a dense snapshot for everyone."""
         self._sync_requested = True
@@ -176,18 +188,17 @@ class DeltaBroadcaster:
         return payload, self.last_meta
 
 
-def apply_payload(flat: torch.Tensor, payload: bytes, version: int | None) -> int:
+def apply_payload(flat: torch.Tensor, payload: bytes, version: int | None,
+                  expected_dtype: ValueDtype | None = None) -> int:
     """Worker side: apply a delta or snapshot payload to the float32 vector ``flat`` in place and return
     the new version. ``version`` is the worker's current version (None = nothing received yet, only a
     snapshot is accepted). Raises ``VersionMismatchError`` for a delta that does not follow ``version`` and
     ``PayloadError`` for invalid payloads; ``flat`` is untouched on error."""
     if flat.dtype != torch.float32 or flat.dim() != 1:
         raise ValueError(f"flat must be a 1-D float32 tensor, got {flat.dim()}-D {flat.dtype}")
-    decoded = wire.decode(payload, expected_numel=flat.numel(),
-                          max_numel=max(flat.numel(), wire.DEFAULT_MAX_NUMEL))
+    decoded = wire.decode(payload, expected_numel=flat.numel(), expected_dtype=expected_dtype,
+                          expected_kinds=(wire.KIND_DELTA, wire.KIND_SNAPSHOT))
     header = decoded.header
-    if header.kind == wire.KIND_GRADIENT:
-        raise PayloadError("a gradient payload cannot be applied to parameters (expected delta or snapshot)")
     if header.kind == wire.KIND_DELTA and (version is None or header.version != version + 1):
         raise VersionMismatchError(-1 if version is None else version, header.version)
     if header.kind == wire.KIND_SNAPSHOT:

@@ -288,13 +288,25 @@ def _indices(raw: memoryview, offset: int, header: PayloadHeader, ranges: np.nda
 
 
 def decode(payload: bytes, *, expected_numel: int | None = None, expected_version: int | None = None,
+           expected_kinds: tuple[int, ...] | None = None, expected_dtype: ValueDtype | None = None,
            max_numel: int = DEFAULT_MAX_NUMEL) -> DecodedPayload:
-    """Validate and decode a payload; any inconsistency raises ``PayloadError``."""
-    header = read_header(payload, max_numel=max_numel)
+    """Validate and decode a payload; any inconsistency raises ``PayloadError``.
+
+    The ``expected_*`` arguments are the layout the receiver knows (vector size, version, payload kinds,
+    value dtype); a payload that differs is refused from its header, before anything is decompressed.
+    """
+    header = read_header(payload, max_numel=max(max_numel, expected_numel or 0))
     if expected_numel is not None and header.numel != expected_numel:
         raise PayloadError(f"numel mismatch: payload has {header.numel}, expected {expected_numel}")
     if expected_version is not None and header.version != expected_version:
         raise PayloadError(f"version mismatch: payload has {header.version}, expected {expected_version}")
+    if expected_kinds is not None and header.kind not in expected_kinds:
+        wanted = " or ".join(KIND_NAMES[k] for k in expected_kinds)
+        raise PayloadError(f"a {KIND_NAMES[header.kind]} payload where a {wanted} payload is expected")
+    wrong_dtype = expected_dtype is not None and header.value_dtype is not expected_dtype
+    if wrong_dtype and header.kind != KIND_SNAPSHOT:
+        raise PayloadError(f"value dtype {header.value_dtype.name}, expected {expected_dtype.name} "
+                           "(snapshots are always fp32)")
     raw = _decompress_body(memoryview(payload).cast("B"), header)
     ranges = _ranges(raw, header)
     offset = 16 * header.n_ranges

@@ -1,21 +1,39 @@
 """The dpgs configuration schema.
 
 Every section forbids unknown keys, so a typo (``train.batch_sz``) is an error naming the key instead of
-a silently ignored setting. Defaults are the values a newcomer should start from.
+a silently ignored setting. Numbers must be finite (``train.lr=inf`` is refused) and a boolean is not a
+number (``train.batch_size=true`` is refused, where pydantic alone would read it as 1). Defaults are the
+values a newcomer should start from.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+def _accepts_bool(annotation: Any) -> bool:
+    return annotation is bool or any(_accepts_bool(arg) for arg in get_args(annotation))
 
 
 class Section(BaseModel):
-    """Base of all sections: unknown keys and wrong types are rejected."""
+    """Base of all sections: unknown keys, wrong types, inf/NaN and booleans given as numbers are rejected."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_non_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and not _accepts_bool(annotation):
+            expected = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+            raise ValueError(
+                f"expected {expected}, got the boolean {str(value).lower()} (YAML reads true/false/yes/no/on/"
+                "off as booleans; quote the value if it is text)"
+            )
+        return value
 
 
 class AugmentSection(Section):
@@ -84,7 +102,12 @@ class TrainConfig(Section):
     batch_size: int = Field(16, ge=1, description="bags per optimizer step (classic uses 1)")
     sample_size: int = Field(64, ge=1, description="instances per bag in mode=sampling")
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(2e-4, gt=0, description="learning rate at lr_reference_batch bags per step")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="scale lr with bags per optimizer step relative to lr_reference_batch"
+    )
+    lr_reference_batch: int = Field(1, ge=1, description="bags per step that train.lr was chosen for")
+    warmup_epochs: float = Field(0.0, ge=0, description="linear learning-rate warm-up, in epochs")
     weight_decay: float = Field(1e-5, ge=0)
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     scheduler: Literal["none", "cosine", "step", "exponential"] = "cosine"
@@ -100,8 +123,20 @@ class TrainConfig(Section):
 
 
 class EvalConfig(Section):
-    sample_k: int | None = Field(None, ge=1, description="also evaluate with K sampled instances per bag")
-    repeats: int = Field(5, ge=1, description="repetitions of the sampled protocol")
+    """Evaluation protocols (docs/evaluation.md): test on all instances and, with ``sample_k``, also on K
+    sampled instances x ``repeats``; validation (checkpoint selection) on all instances or, with
+    ``val_sample_k``, on K sampled instances x ``val_repeats``; bootstrap intervals of test metrics."""
+
+    sample_k: int | None = Field(None, ge=1, description="also test with K sampled instances per bag")
+    repeats: int = Field(5, ge=1, description="repetitions of the sampled test protocol")
+    val_sample_k: int | None = Field(
+        None, ge=1, description="validate (select checkpoints) on K sampled instances per bag (null: all)"
+    )
+    val_repeats: int = Field(1, ge=1, description="repetitions of the sampled validation protocol")
+    bootstrap: int = Field(
+        1000, ge=0, description="stratified bootstrap resamples for test confidence intervals (0: none)"
+    )
+    ci_level: float = Field(0.95, gt=0, lt=1, description="confidence level of the bootstrap intervals")
 
 
 class TrackingConfig(Section):
@@ -118,7 +153,12 @@ class CompressionConfig(Section):
     warmup_epochs: int = Field(0, ge=0, description="DGC keep-ratio warm-up epochs")
     dense_min_numel: int = Field(0, ge=0, description="tensors smaller than this are sent dense")
     dense_sync_every: int = Field(100, ge=1)
-    downlink: bool = Field(True, description="compress master->worker weight deltas too")
+    downlink: Literal["gradients", "delta"] = Field(
+        "gradients",
+        description="gradients: workers receive the step's compressed gradients and take the master's "
+        "optimizer step themselves (exact replicas); delta: the master sends top-k weight deltas with its "
+        "own residual",
+    )
     wire: Literal["dmgc", "dgc"] = Field(
         "dmgc", description="dmgc: our codec; dgc: raw int32 indices + values, no entropy coding (baseline)"
     )
@@ -126,6 +166,10 @@ class CompressionConfig(Section):
 
 class DpgsConfig(Section):
     workers: int = Field(2, ge=1)
+    transport: Literal["auto", "gloo", "ray"] = Field(
+        "auto", description="gloo: a torch.distributed group of master and workers; ray: object refs; "
+        "auto: gloo, else ray"
+    )
     address: str | None = Field(None, description="unset: local Ray; 'auto' or host:port: join")
     gpus_per_worker: float | None = Field(None, ge=0, le=8)
     cpus_per_worker: float | None = Field(None, gt=0)
@@ -183,6 +227,14 @@ class Config(Section):
                 raise ValueError("data.kind=tiles needs a tile encoder: set model.encoder=resnet18|resnet50")
         if model.encoder_weights is not None and model.encoder is None:
             raise ValueError("model.encoder_weights is set but model.encoder is not")
+        momentum = self.dpgs.compression.momentum_correction
+        if momentum is not None and (self.train.optimizer != "sgd" or self.train.momentum > 0):
+            raise ValueError(
+                f"dpgs.compression.momentum_correction={momentum:g} applies momentum on the workers (DGC), "
+                f"so the master must take plain SGD steps: train.optimizer={self.train.optimizer}, "
+                f"train.momentum={self.train.momentum:g} would apply momentum twice; set train.optimizer=sgd "
+                "and train.momentum=0, or unset momentum_correction"
+            )
         g = self.dpgs.sample_parallel
         if g > 1:
             if self.train.mode != "dpgs":

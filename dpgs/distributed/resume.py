@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dpgs.config import Config, ConfigError
 
-CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_NAME = "checkpoint.pt"  # the one name of a DPGS checkpoint in train.output_dir
 
 
 def find_checkpoint(target: str, tracking_uri: str) -> Path:

@@ -12,6 +12,7 @@ the end of an epoch is rescaled to the mean over the batches it holds and applie
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 from dpgs.config.schema import Config, TrainConfig
 from dpgs.data import Prefetcher
 from dpgs.modeling import input_to
-from dpgs.train.optim import build_optimizer, build_scheduler
+from dpgs.train.optim import build_optimizer, clip_coefficient, grad_norm, learning_rate, optimizer_step
 from dpgs.train.steps import batch_loss, check_mode_supported
 
 
@@ -107,26 +108,25 @@ class LocalEngine:
         self.cfg = cfg
         self.device = device
         self.class_weights = None if class_weights is None else class_weights.to(device)
-        self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg)
         self.sample_gen = torch.Generator().manual_seed(seed)
         self.dataset = dataset
         self.prefetch = prefetch
         self.pending = 0  # batches back-propagated since the last optimizer step
         self.steps = 0
+        self.lr = cfg.lr  # learning rate of the next optimizer step
 
     def _apply(self) -> None:
         if self.pending == 0:
             return
         if self.pending != self.cfg.accumulation_steps:
             scale = self.cfg.accumulation_steps / self.pending
-            for p in self.model.parameters():
+            for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        if self.cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        clip = clip_coefficient(grad_norm(self.params), self.cfg.grad_clip) if self.cfg.grad_clip else 1.0
+        optimizer_step(self.optimizer, self.params, self.lr, clip)
         self.pending = 0
         self.steps += 1
 
@@ -157,14 +157,16 @@ class LocalEngine:
         self.model.train()
         total, count, steps_before = 0.0, 0, self.steps
         start = time.perf_counter()
+        accumulate = self.cfg.accumulation_steps
+        steps_per_epoch = math.ceil(len(batches) / accumulate)
         loaded = Prefetcher(self.dataset, batches, depth=self.prefetch, epoch=epoch)  # tiles: epoch's sample
-        for bags in tqdm(loaded, total=len(batches), desc=f"epoch {epoch}", leave=False, disable=None):
+        for b, bags in enumerate(tqdm(loaded, total=len(batches), desc=f"epoch {epoch}", leave=False,
+                                      disable=None)):
+            self.lr = learning_rate(self.cfg, epoch, b // accumulate, steps_per_epoch)
             loss_sum, n = self.train_batch(bags)
             total += loss_sum
             count += n
         self._apply()
-        if self.scheduler is not None:
-            self.scheduler.step()
         return {
             "train_loss": total / max(count, 1),
             "train_seconds": time.perf_counter() - start,

@@ -1,6 +1,13 @@
-"""Optimizers and per-epoch learning-rate schedules from the ``train`` config section."""
+"""Optimizers, the learning-rate schedule, and the one optimizer step every engine takes.
+
+The schedule is a pure function of where training is (:func:`learning_rate`), so the single-process
+engine, the DPGS master and the DPGS workers' replicas all compute the same rate for the same step
+without sharing scheduler objects. :func:`optimizer_step` is the only place an optimizer steps.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -8,30 +15,98 @@ from dpgs.config.schema import TrainConfig
 
 
 def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The configured optimizer, fused (one kernel over all tensors) where torch supports it on CPU/CUDA."""
+    params = list(params)
+    fused = (
+        {"fused": True}
+        if params and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        else {}
+    )
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+        return torch.optim.SGD(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **fused
+        )
     raise ValueError(f"train.optimizer: unknown optimizer '{cfg.optimizer}'")
 
 
-def build_scheduler(optimizer, cfg: TrainConfig):
-    """A scheduler stepped once per epoch (None for ``scheduler: none``).
+def bags_per_step(cfg: TrainConfig) -> int:
+    """Bags in one optimizer step: 1 in classic mode, else ``batch_size * accumulation_steps``."""
+    return 1 if cfg.mode == "classic" else cfg.batch_size * cfg.accumulation_steps
 
-    cosine: lr_e = lr * (1 + cos(pi * e / epochs)) / 2; step: lr * gamma^floor(e / step_size);
-    exponential: lr * gamma^e.
-    """
+
+def batch_lr(cfg: TrainConfig) -> float:
+    """``train.lr`` scaled to the bags per step (``lr_scaling``): with
+    ``b = bags_per_step / lr_reference_batch``, none: ``lr``; linear: ``lr * b``; sqrt: ``lr * sqrt(b)``."""
+    ratio = bags_per_step(cfg) / cfg.lr_reference_batch
+    if cfg.lr_scaling == "linear":
+        return cfg.lr * ratio
+    if cfg.lr_scaling == "sqrt":
+        return cfg.lr * math.sqrt(ratio)
+    return cfg.lr
+
+
+def schedule_factor(cfg: TrainConfig, epoch: int) -> float:
+    """Per-epoch decay for 1-based ``epoch`` (``e = epoch - 1`` epochs completed):
+    cosine ``(1 + cos(pi e / epochs)) / 2``; step ``gamma^floor(e / step_size)``; exponential ``gamma^e``."""
+    e = epoch - 1
     if cfg.scheduler == "none":
-        return None
+        return 1.0
     if cfg.scheduler == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs)
+        return (1.0 + math.cos(math.pi * e / cfg.epochs)) / 2.0
     if cfg.scheduler == "step":
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=cfg.step_size, gamma=cfg.gamma)
+        return cfg.gamma ** (e // cfg.step_size)
     if cfg.scheduler == "exponential":
-        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=cfg.gamma)
+        return cfg.gamma**e
     raise ValueError(f"train.scheduler: unknown scheduler '{cfg.scheduler}'")
+
+
+def learning_rate(cfg: TrainConfig, epoch: int, step_in_epoch: int, steps_per_epoch: int) -> float:
+    """Learning rate of optimizer step ``step_in_epoch`` (0-based) of 1-based ``epoch``:
+
+    ``batch_lr * schedule_factor(epoch) * warmup``, where the linear warm-up over ``warmup_epochs`` is
+    ``min(1, (t + 1) / (warmup_epochs * steps_per_epoch))`` at global step ``t``.
+    """
+    lr = batch_lr(cfg) * schedule_factor(cfg, epoch)
+    if cfg.warmup_epochs > 0:
+        t = (epoch - 1) * steps_per_epoch + step_in_epoch
+        lr *= min(1.0, (t + 1) / (cfg.warmup_epochs * steps_per_epoch))
+    return lr
+
+
+def clip_coefficient(grad_norm: float, max_norm: float | None) -> float:
+    """Factor applied to every gradient so that their global L2 norm is at most ``max_norm``
+    (``torch.nn.utils.clip_grad_norm_``'s ``min(1, max_norm / (norm + 1e-6))``); 1 without clipping."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (grad_norm + 1e-6))
+
+
+def grad_norm(params: list[torch.Tensor]) -> float:
+    """Global L2 norm of the parameters' gradients (float64 accumulation)."""
+    grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.cat(grads), dtype=torch.float64))
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], lr: float, clip: float = 1.0
+) -> None:
+    """Take one step on the gradients held in ``p.grad``: every gradient times ``clip`` (see
+    :func:`clip_coefficient`), learning rate ``lr`` for every parameter group, then the gradients are
+    released. The single-process engine, the DPGS master and the workers' replicas all step here."""
+    if clip != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def class_weights_for(labels: list[int], num_classes: int) -> torch.Tensor:

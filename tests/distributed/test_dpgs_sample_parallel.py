@@ -17,7 +17,7 @@ import torch
 from dpgs.config import load_config
 from dpgs.config.schema import ModelConfig
 from dpgs.data import load_experiment_data
-from dpgs.distributed.group_worker_state import check_layout, replica_names, spatial_spec, tilemil_names
+from dpgs.workers.group import check_layout, replica_names, spatial_spec, tilemil_names
 from dpgs.modeling import ModelSpec
 from dpgs.spatial.partition import Grid, Partition
 from dpgs.spatial.rank import RankState
@@ -138,7 +138,7 @@ def _dpgs_config(tile_bags, out, *overrides):
         "train.mode=dpgs", "train.optimizer=sgd", "train.lr=0.005", "train.scheduler=none",
         f"train.output_dir={out}", "dpgs.workers=1", "dpgs.sample_parallel=2", "dpgs.cpus_per_worker=1",
         "dpgs.compression.keep_ratio=1.0", "dpgs.compression.value_dtype=fp32",
-        "dpgs.compression.downlink=false", "dpgs.call_timeout_s=120", *overrides,
+        "dpgs.checkpoint_every=1", "dpgs.call_timeout_s=120", *overrides,
     ])
 
 
@@ -173,8 +173,8 @@ def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_clu
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from dpgs.distributed.engine import DpgsEngine
     from dpgs.train.engine import LocalEngine
+    from tests.dpgs_helpers import dpgs_engine
 
     config = _dpgs_config(tile_bags, tmp_path / "run")
     data = load_experiment_data(config.data, seed=config.seed)
@@ -195,27 +195,24 @@ def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_clu
              / torch.cat([before[k].reshape(-1) for k in names]).norm()).item()
     assert moved > 1e-3, f"the step moved the parameters by {moved:.1e} only: the comparison proves nothing"
 
-    engine = DpgsEngine(config, _start_model(spec, config.seed), None, (data.dataset, data.splits[0].train),
-                        spec)
-    captured = []
+    captured, killed = [], []
 
-    def capture(eng, epoch, step):
+    def capture(eng, epoch, step):  # chunks of one step (dpgs.checkpoint_every=1)
         captured.append(_float_state(eng.state_dict()))
 
-    pid = ray.get(engine.workers[0].ping.remote())  # asked now: during a step the actor is busy
+    with dpgs_engine(config, spec, _start_model(spec, config.seed), data.dataset, data.splits[0].train) as engine:
+        pid = ray.get(engine.pool.workers[0].ping.remote())  # asked now: during a step the actor is busy
 
-    def kill_coordinator(eng, step):
-        if step == 1 and not getattr(eng, "_killed", False):
-            eng._killed = True
-            time.sleep(1.0)  # inside the step's first bag
-            os.kill(pid, signal.SIGKILL)
+        def kill_coordinator(pool):
+            if len(captured) == 1 and not killed:
+                killed.append(pid)
+                time.sleep(1.0)  # inside the step's first bag
+                os.kill(pid, signal.SIGKILL)
 
-    engine.hooks.update(after_step=capture, after_submit=kill_coordinator)
-    prefix = engine.group_prefix
-    try:
-        stats = engine.run_epoch(batches, 1)
-    finally:
-        engine.close()
+        engine.hooks.after_chunk = capture
+        engine.pool.hooks.after_submit = kill_coordinator
+        prefix = engine.pool.group_prefix
+        stats = engine.run_epoch(batches, 1, [])
     _assert_close(captured[0], reference[0], 1e-4, "B=1")
     # Second step: BatchNorm biases start at zero and their gradients are sums of nearly cancelling terms;
     # after two float32 steps they carry ~1.5e-4 relative rounding noise even between the BagWorker and

@@ -1,4 +1,6 @@
-"""DPGS on Ray: exact gradient stacking, fault tolerance and resume (real two-node local Ray cluster)."""
+"""DPGS on Ray: exact gradient stacking in every synchronisation mode and transport, replicas equal to
+the master, fault tolerance, resume (residuals included), accumulation, k-fold reuse of the actors
+(real two-node local Ray cluster)."""
 
 from __future__ import annotations
 
@@ -6,17 +8,20 @@ import os
 import signal
 
 import pytest
+import ray
 import torch
 
-from dpgs.distributed.engine import DpgsEngine
+from dpgs.distributed.pool import WorkerFailure
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
 from dpgs.train.engine import LocalEngine
-from tests.dpgs_helpers import experiment_data, make_config, write_bags
+from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
 
 pytestmark = pytest.mark.ray
 
 LENGTHS = [1, 1000, 37, 5, 260, 2, 731, 64, 9, 120, 3, 450, 17, 88, 600, 1, 42, 300, 7, 15]
+DENSE = ["dpgs.compression.keep_ratio=1.0"]
+EXACT = ["train.optimizer=sgd", "train.lr=0.5"]  # Adam's first step is lr * sign(g): see test 1's docstring
 
 
 @pytest.fixture(scope="module")
@@ -25,30 +30,36 @@ def bags(tmp_path_factory):
     return write_bags(root, LENGTHS)
 
 
-def engines(config, data):
+def start(config, data):
     spec = ModelSpec(config.model, data.dataset.feature_dim, len(data.manifest.classes))
     torch.manual_seed(config.seed)
-    model = spec.build()
-    return spec, model
+    return spec, spec.build()
 
 
 def local_params(config, data, batches, epochs=1):
-    spec, model = engines(config, data)
-    engine = LocalEngine(model, config.train, torch.device("cpu"), None, config.seed, data.dataset, 0)
+    packed = config.model_copy(update={"train": config.train.model_copy(update={"mode": "packed"})})
+    _, model = start(packed, data)
+    engine = LocalEngine(model, packed.train, torch.device("cpu"), None, config.seed, data.dataset, 0)
     for epoch in range(1, epochs + 1):
         engine.run_epoch(batches, epoch)
     return {k: v.clone() for k, v in engine.state_dict().items()}
 
 
-def dpgs_params(config, data, batches, hooks=None, epochs=1):
-    spec, model = engines(config, data)
-    engine = DpgsEngine(config, model, None, (data.dataset, data.splits[0].train), spec)
-    engine.hooks.update(hooks or {})
-    try:
-        stats = [engine.run_epoch(batches, epoch) for epoch in range(1, epochs + 1)]
-        return {k: v.clone() for k, v in engine.state_dict().items()}, stats
-    finally:
-        engine.close()
+def dpgs_run(config, data, batches, epochs=1, after_submit=None, after_chunk=None):
+    """(master's parameters, epoch metrics, workers' ReplicaStates, master's ReplicaState).
+
+    ``after_submit(pool, pids)``: called once a chunk is submitted, with the workers' process ids (asked
+    beforehand: during a chunk the actors are busy)."""
+    spec, model = start(config, data)
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        if after_submit is not None:
+            pids = ray.get([w.ping.remote() for w in engine.pool.workers])
+            engine.pool.hooks.after_submit = lambda pool: after_submit(pool, pids)
+        engine.hooks.after_chunk = after_chunk
+        stats = [engine.run_epoch(batches, epoch, []) for epoch in range(1, epochs + 1)]
+        workers = ray.get([w.replica_state.remote() for w in engine.pool.workers])
+        master = ray.get(engine.pool.master.replica_state.remote())
+        return {k: v.clone() for k, v in engine.state_dict().items()}, stats, workers, master
 
 
 def assert_close(a: dict, b: dict, rtol: float):
@@ -58,121 +69,136 @@ def assert_close(a: dict, b: dict, rtol: float):
         assert err <= rtol, f"{key}: relative error {err:.2e} > {rtol}"
 
 
-@pytest.mark.parametrize("workers", [1, 2, 3])
-def test_one_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers):
+@pytest.mark.parametrize("workers,transport", [(1, "gloo"), (2, "gloo"), (3, "gloo"), (2, "ray")])
+def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers, transport):
     """B=7 bags of lengths 1..1000 (B not divisible by P): DPGS step == single-process packed step.
 
     SGD, because Adam's first step is lr * sign(g): entries whose gradient is ~0 flip with float32
-    summation order, which says nothing about the stacking.
+    summation order, which says nothing about the stacking. Dense mode sends raw float32: exactly 4 bytes
+    per parameter each way.
     """
-    config = make_config(
-        *bags,
-        tmp_path / "run",
-        "train.mode=dpgs",
-        f"dpgs.workers={workers}",
-        "train.optimizer=sgd",
-        "train.lr=0.5",
-        "dpgs.compression.keep_ratio=1.0",
-        "dpgs.compression.value_dtype=fp32",
-    )
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", f"dpgs.workers={workers}",
+                         f"dpgs.transport={transport}", *EXACT, *DENSE)
     data = experiment_data(config)
     batch = [[0, 1, 2, 3, 4, 5, 6]]
-    before = engines(config, data)[1].state_dict()
-    reference = local_params(
-        config.model_copy(update={"train": config.train.model_copy(update={"mode": "packed"})}), data, batch
-    )
-    stacked, stats = dpgs_params(config, data, batch)
+    before = start(config, data)[1].state_dict()
+    reference = local_params(config, data, batch)
+    stacked, stats, replicas, master = dpgs_run(config, data, batch)
     assert_close(stacked, reference, 1e-5)
     assert any((reference[k] - before[k]).abs().max() > 1e-4 for k in reference), "the step changed nothing"
+    numel = master.params.numel()
     epoch = stats[0]
-    assert epoch["comm_bytes_up"] > 0 and epoch["comm_bytes_down"] > 0
-    assert epoch["comm_dense_bytes"] > 0
+    assert epoch["comm_bytes_up"] == epoch["comm_bytes_down"] == 4 * numel * workers
+    assert epoch["compression_ratio"] == 1.0
+    assert all(torch.equal(r.params, master.params) and r.version == 1 for r in replicas)
 
 
-def test_compression_counts_bytes_and_shrinks_payloads(ray_cluster, bags, tmp_path):
-    config = make_config(
-        *bags,
-        tmp_path / "run",
-        "train.mode=dpgs",
-        "dpgs.workers=2",
-        "dpgs.compression.keep_ratio=0.01",
-        "dpgs.compression.value_dtype=fp16",
-    )
-    data = experiment_data(config)
-    _, stats = dpgs_params(config, data, [[0, 1, 2, 3], [4, 5, 6, 7]])
-    epoch = stats[0]
-    assert epoch["compression_ratio"] > 10
-    assert epoch["comm_dense_bytes"] / (epoch["comm_bytes_up"] + epoch["comm_bytes_down"]) == pytest.approx(
-        epoch["compression_ratio"]
-    )
-
-
-def test_killed_worker_is_restarted_and_its_bags_rerun(ray_cluster, bags, tmp_path):
-    """SIGKILL a worker while it computes: the step completes, every bag counts once (exact result)."""
-    config = make_config(
-        *bags,
-        tmp_path / "run",
-        "train.mode=dpgs",
-        "dpgs.workers=2",
-        "dpgs.compression.keep_ratio=1.0",
-        "dpgs.compression.value_dtype=fp32",
-        "dpgs.call_timeout_s=60",
-    )
+@pytest.mark.parametrize("downlink", ["gradients", "delta"])
+def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bags, tmp_path, downlink):
+    """Keep 10%, Adam, two epochs: with downlink=gradients every worker holds exactly the master's
+    parameters and optimizer state (same decode, sum and step); with downlink=delta exactly what the
+    master's broadcast says they hold. The stacked steps still follow the packed run closely, and the
+    master's first step equals a single-process step on the decoded gradients (the codec is the only
+    difference)."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "train.lr=0.01",
+                         "dpgs.compression.keep_ratio=0.1", "dpgs.compression.value_dtype=fp16",
+                         f"dpgs.compression.downlink={downlink}")
     data = experiment_data(config)
     batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-    clean, _ = dpgs_params(config, data, batches)
+    stacked, stats, replicas, master = dpgs_run(config, data, batches, epochs=2)
+    for r in replicas:
+        assert r.version == master.version == 6
+        assert torch.equal(r.params, master.params)
+        if downlink == "gradients":
+            for a, b in zip(r.optimizer["state"].values(), master.optimizer["state"].values(), strict=True):
+                assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    epoch = stats[1]
+    assert epoch["compression_ratio"] > 5
+    total = epoch["comm_bytes_up"] + epoch["comm_bytes_down"]
+    assert epoch["comm_dense_bytes"] / total == pytest.approx(epoch["compression_ratio"])
+    if downlink == "gradients":  # every worker receives every payload of the step, plus a small header
+        assert 2 * epoch["comm_bytes_up"] < epoch["comm_bytes_down"] < 2 * epoch["comm_bytes_up"] + 2000
 
-    def kill_worker_once(engine, step):
-        if step == 1 and not getattr(engine, "_killed", False):
-            engine._killed = True
-            import ray
 
-            pid = ray.get(engine.workers[0].ping.remote())
-            os.kill(pid, signal.SIGKILL)
+def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, tmp_path):
+    """SIGKILL a worker while the chunk runs: the epoch completes, every bag counts once (exact result),
+    one restart is counted, and all replicas end equal to the master."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "dpgs.call_timeout_s=60",
+                         *EXACT, *DENSE)
+    data = experiment_data(config)
+    batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    clean, *_ = dpgs_run(config, data, batches)
+    killed = []
 
-    faulty, stats = dpgs_params(config, data, batches, {"after_submit": kill_worker_once})
+    def kill_worker_once(pool, pids):
+        if not killed:
+            killed.append(pids[0])
+            os.kill(pids[0], signal.SIGKILL)
+
+    faulty, stats, replicas, master = dpgs_run(config, data, batches, after_submit=kill_worker_once)
     assert stats[0]["worker_restarts"] == 1.0
+    assert stats[0]["optimizer_steps"] == 3.0
     assert_close(faulty, clean, 1e-6)
+    assert all(torch.equal(r.params, master.params) for r in replicas)
+
+
+def test_restarted_worker_starts_with_an_empty_residual(ray_cluster, bags, tmp_path):
+    """With compression, a restarted worker's error-feedback residual is lost (documented): the survivor
+    keeps its own, the restarted one's is zero until its next step, and training goes on."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "dpgs.call_timeout_s=60",
+                         "dpgs.compression.keep_ratio=0.05")
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        engine.run_epoch([[0, 1, 2, 3], [4, 5, 6, 7]], 1, [])
+        before = engine.pool.encoder_states()
+        assert all(s["residual"].abs().sum() > 0 for s in before)
+        os.kill(ray.get(engine.pool.workers[1].ping.remote()), signal.SIGKILL)
+        engine.pool.hooks.after_submit = None
+        stats = engine.run_epoch([[8], [9, 10]], 2, [])  # worker 1 has no bag in the first step
+        after = engine.pool.encoder_states()
+    assert stats["worker_restarts"] == 1.0
+    assert after[1]["step"] == 1  # the restarted worker encoded once (its bag of the second step)
+    assert after[0]["step"] == before[0]["step"] + 2
 
 
 def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tmp_path):
-    from dpgs.distributed.engine import WorkerFailure
-
-    config = make_config(
-        *bags,
-        tmp_path / "run",
-        "train.mode=dpgs",
-        "dpgs.workers=2",
-        "dpgs.max_worker_restarts=0",
-        "dpgs.call_timeout_s=30",
-    )
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.max_worker_restarts=0", "dpgs.call_timeout_s=30")
     (tmp_path / "run").mkdir()
     data = experiment_data(config)
 
-    def kill(engine, step):
-        import ray
-
-        os.kill(ray.get(engine.workers[1].ping.remote()), signal.SIGKILL)
+    def kill(pool, pids):
+        os.kill(pids[1], signal.SIGKILL)
 
     with pytest.raises(WorkerFailure, match="worker 1 failed 1 times.*checkpoint written"):
-        dpgs_params(config, data, [[0, 1, 2, 3]], {"before_submit": kill})
-    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+        dpgs_run(config, data, [[0, 1, 2, 3]], after_submit=kill)
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert checkpoint["driver"]["step_in_epoch"] == 0 and checkpoint["master"]["step"] == 0
+
+
+def test_accumulation_equals_the_larger_batch(ray_cluster, bags, tmp_path):
+    """accumulation_steps=2 over batches of 3 bags == one step over the 6 bags (packed, SGD)."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "train.accumulation_steps=2", *EXACT, *DENSE)
+    data = experiment_data(config)
+    stacked, stats, *_ = dpgs_run(config, data, [[0, 1, 2], [3, 4, 5]])
+    reference = local_params(config.model_copy(update={"train": config.train.model_copy(
+        update={"accumulation_steps": 1})}), data, [[0, 1, 2, 3, 4, 5]])
+    assert stats[0]["optimizer_steps"] == 1.0
+    assert_close(stacked, reference, 1e-5)
 
 
 class DriverKilled(RuntimeError):
     pass
 
 
-def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_path):
-    common = [
-        "train.mode=dpgs",
-        "dpgs.workers=2",
-        "dpgs.compression.keep_ratio=1.0",
-        "dpgs.compression.value_dtype=fp32",
-        "train.epochs=2",
-        "train.batch_size=4",
-        "dpgs.checkpoint_every=1",
-    ]
+@pytest.mark.parametrize("compression", [DENSE, ["dpgs.compression.keep_ratio=0.05"]],
+                         ids=["dense", "keep5pct"])
+def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_path, compression):
+    """Checkpoints hold the workers' residuals, so a resumed compressed run equals the uninterrupted one."""
+    common = ["train.mode=dpgs", "dpgs.workers=2", "train.epochs=2", "train.batch_size=4",
+              "dpgs.checkpoint_every=1", *compression]
     full = make_config(*bags, tmp_path / "full", *common)
     run_training(full)
 
@@ -188,7 +214,7 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
             if epoch == 2 and step == 2:
                 raise DriverKilled("simulated driver crash")
 
-        self.hooks["after_step"] = crash
+        self.hooks.after_chunk = crash
 
     engine_module.DpgsEngine.__init__ = init_with_crash
     try:
@@ -203,3 +229,39 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
     a = torch.load(tmp_path / "cut" / "last.pt", weights_only=True)
     b = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
     assert_close(a, b, 1e-6)
+
+
+def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, tmp_path, monkeypatch):
+    """Two folds in one command: the same worker processes serve both (started once), and the second fold
+    ends exactly as a command that trains only that split (state reset between folds)."""
+    from dpgs.distributed import pool as pool_module
+    from dpgs.train import trainer
+
+    overrides = ["train.mode=dpgs", "dpgs.workers=2", "data.folds=2", "data.val_fraction=0", "train.epochs=1",
+                 "train.batch_size=4", "dpgs.compression.keep_ratio=0.1"]
+    pids = []
+    original = pool_module.WorkerPool.run
+
+    def run_and_record(self, plan):
+        pids.append(tuple(ray.get([w.ping.remote() for w in self.workers])))
+        return original(self, plan)
+
+    pool_module.WorkerPool.run = run_and_record
+    try:
+        result = run_training(make_config(*bags, tmp_path / "kfold", *overrides))
+    finally:
+        pool_module.WorkerPool.run = original
+    assert len(result.folds) == 2 and len(set(pids)) == 1, f"workers were restarted between folds: {pids}"
+
+    load = trainer.load_experiment_data
+
+    def second_split_only(*args, **kwargs):
+        data = load(*args, **kwargs)
+        data.splits = data.splits[1:]
+        return data
+
+    monkeypatch.setattr(trainer, "load_experiment_data", second_split_only)
+    run_training(make_config(*bags, tmp_path / "alone", *overrides))
+    alone = torch.load(tmp_path / "alone" / "last.pt", weights_only=True)
+    second = torch.load(result.folds[1].output_dir / "last.pt", weights_only=True)
+    assert_close(second, alone, 1e-6)

@@ -10,10 +10,10 @@ import torch
 
 from dpgs.config import ConfigError
 from dpgs.data import DataValidationError, load_experiment_data
-from dpgs.distributed.engine import DpgsEngine
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
 from dpgs.train.engine import LocalEngine
+from tests.dpgs_helpers import dpgs_engine
 from tests.tile_helpers import tile_config, write_tiled_slides
 
 
@@ -112,12 +112,9 @@ def test_one_dpgs_step_equals_the_single_process_step_on_the_same_tiles(ray_clus
     reference = local.state_dict()
 
     torch.manual_seed(config.seed)
-    engine = DpgsEngine(config, spec.build(), None, (data.dataset, data.splits[0].train), spec)
-    try:
-        stats = engine.run_epoch(batch, 1)
+    with dpgs_engine(config, spec, spec.build(), data.dataset, data.splits[0].train) as engine:
+        stats = engine.run_epoch(batch, 1, [])
         stacked = engine.state_dict()
-    finally:
-        engine.close()
     assert stats["optimizer_steps"] == 1 and stats["comm_bytes_up"] > 0
     for key, ref in reference.items():
         if not ref.is_floating_point() or "running" in key:

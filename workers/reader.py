@@ -10,7 +10,7 @@ class BagReader:
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpgs-group-prefetch")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpgs-read-ahead")
         self._ahead: dict[tuple[int, int], Future] = {}
 
     def take(self, index: int, epoch: int):

@@ -1,0 +1,118 @@
+"""The Ray transport of a DPGS group: a mailbox actor that holds each exchange's data as object refs.
+
+Used where the ranks cannot form a gloo group (``dpgs.transport=ray``, or ``auto`` when forming one
+fails). Each rank numbers its operations; because every rank performs the same operations in the same
+order, operation ``seq`` of generation ``g`` names the same exchange on every rank. A value is posted
+under ``(g, seq, src, dst)`` (``dst = -1``: for every worker) and removed once all its readers took it.
+The driver aborts a generation when a rank dies, which wakes every waiting rank with ChannelBroken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from dpgs.distributed.channel import ChannelBroken
+from dpgs.distributed.messages import MASTER_RANK
+
+EVERY_WORKER = -1
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class Mailbox:
+    """Async actor: ``post`` a value for ``readers`` takers, ``take`` it (waiting until it is posted)."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple, list] = {}  # key -> [value, readers left]
+        self.posted: dict[tuple, asyncio.Event] = {}
+        self.aborted: set[int] = set()
+
+    def _event(self, key: tuple) -> asyncio.Event:
+        return self.posted.setdefault(key, asyncio.Event())
+
+    async def post(self, key: tuple, value, readers: int) -> None:
+        if key[0] in self.aborted:
+            return
+        self.values[key] = [value, readers]
+        self._event(key).set()
+
+    async def take(self, key: tuple, timeout_s: float):
+        if key[0] in self.aborted:
+            raise ChannelBroken(f"exchange {key} aborted by the driver")
+        try:
+            await asyncio.wait_for(self._event(key).wait(), timeout_s)
+        except asyncio.TimeoutError:
+            self.posted.pop(key, None)
+            raise ChannelBroken(f"exchange {key}: nothing arrived within {timeout_s:.0f}s") from None
+        if key[0] in self.aborted:
+            raise ChannelBroken(f"exchange {key} aborted by the driver")
+        entry = self.values[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.values[key], self.posted[key]
+        return entry[0]
+
+    async def abort(self, generation: int) -> None:
+        """Wake every rank waiting in ``generation`` with ChannelBroken and drop its values."""
+        self.aborted.add(generation)
+        for key in [k for k in self.posted if k[0] == generation]:
+            self.posted.pop(key).set()
+            self.values.pop(key, None)
+
+
+class MailboxChannel:
+    """:class:`~dpgs.distributed.channel.Channel` over a :class:`Mailbox` actor."""
+
+    def __init__(self, rank: int, world: int, mailbox, generation: int, timeout_s: float):
+        self.rank, self.world = rank, world
+        self.mailbox, self.generation, self.timeout_s = mailbox, generation, timeout_s
+        self.seq = 0
+
+    def _next(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _post(self, seq: int, dst: int, value, readers: int) -> None:
+        self.mailbox.post.remote((self.generation, seq, self.rank, dst), value, readers)
+
+    def _take(self, seq: int, src: int, dst: int):
+        try:
+            return ray.get(
+                self.mailbox.take.remote((self.generation, seq, src, dst), self.timeout_s),
+                timeout=self.timeout_s + 30,
+            )
+        except RayTaskError as err:
+            raise ChannelBroken(f"rank {self.rank}: {err.cause if err.cause else err}") from err
+        except (RayActorError, GetTimeoutError) as err:
+            raise ChannelBroken(f"rank {self.rank}: the mailbox is unreachable: {err}") from err
+
+    def send_up(self, body: torch.Tensor) -> None:
+        self._post(self._next(), MASTER_RANK, body, 1)
+
+    def gather_up(self) -> list[torch.Tensor]:
+        seq = self._next()
+        return [self._take(seq, src, MASTER_RANK) for src in range(1, self.world)]
+
+    def send_down(self, body: torch.Tensor) -> None:
+        if self.world > 1:
+            self._post(self._next(), EVERY_WORKER, body, self.world - 1)
+
+    def recv_down(self) -> torch.Tensor:
+        body = self._take(self._next(), MASTER_RANK, EVERY_WORKER)
+        if body is None:
+            raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
+        return body
+
+    def abort(self, drain: bool) -> None:
+        """Posts never block here, so nothing needs draining: the workers' next message down is the abort
+        (None); the driver also aborts the whole generation when a rank dies."""
+        seq = self.seq + (2 if drain else 1)  # drain: the workers first send up (seq + 1), then receive
+        self.seq = seq
+        if self.world > 1:
+            self._post(seq, EVERY_WORKER, None, self.world - 1)
+
+    def close(self) -> None:
+        """Nothing to release: the mailbox belongs to the pool."""

@@ -1,0 +1,134 @@
+"""The messages that cross actor boundaries in DPGS (driver, master, workers), as dataclasses.
+
+Ranks: the master is rank 0 of the DPGS group, worker ``w`` (0-based) is rank ``w + 1``. A step's
+*version* is the number of optimizer steps the model has taken: step ``index`` takes every replica from
+version ``index`` to ``index + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MASTER_RANK = 0
+
+
+def worker_rank(worker: int) -> int:
+    """Group rank of worker ``worker`` (0-based)."""
+    return worker + 1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One optimizer step: which bags each worker reads, in micro-batches, and the step's settings.
+
+    ``bags[w][m]`` are the bag indices of micro-batch ``m`` for worker ``w`` (one packed forward/backward
+    each; ``train.accumulation_steps`` micro-batches per step). The gradient of the step is the mean over
+    all ``n_bags`` bags of the per-bag loss gradients.
+    """
+
+    index: int
+    epoch: int
+    step_in_epoch: int
+    bags: tuple[tuple[tuple[int, ...], ...], ...]
+    lr: float
+    keep_ratio: float
+
+    @property
+    def n_bags(self) -> int:
+        return sum(len(micro) for worker in self.bags for micro in worker)
+
+    def worker_bags(self, worker: int) -> list[int]:
+        """Every bag of ``worker`` in this step, in micro-batch order."""
+        return [i for micro in self.bags[worker] for i in micro]
+
+    def counts(self) -> list[int]:
+        """Bags per worker."""
+        return [sum(len(m) for m in worker) for worker in self.bags]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Consecutive steps that the ranks run without the driver; ``after`` is the step that follows the
+    chunk in the same epoch (its bags are read ahead), or None."""
+
+    steps: tuple[StepPlan, ...]
+    after: StepPlan | None = None
+
+    def from_index(self, index: int) -> ChunkPlan:
+        """The same chunk without the steps before ``index`` (after a failure)."""
+        return ChunkPlan(tuple(s for s in self.steps if s.index >= index), self.after)
+
+
+@dataclass(frozen=True)
+class FoldStart:
+    """Every rank's state at the start of a fold: the initial weights and the fold's class weights."""
+
+    name: str
+    model_state: dict[str, torch.Tensor]
+    class_weights: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What every in-sync worker holds at ``version`` (sent after a failure, a resume or a new fold).
+
+    ``params``: flat float32 trainable parameters; ``buffers``: flat float32 floating-point buffers (None
+    without BatchNorm); ``optimizer``: the optimizer state for workers that step a replica optimizer
+    (``dpgs.compression.downlink=gradients``), else None.
+    """
+
+    version: int
+    params: torch.Tensor
+    buffers: torch.Tensor | None
+    optimizer: dict | None
+
+
+@dataclass
+class WorkerStep:
+    """What worker ``worker`` did in step ``index`` (seconds are wall time in the worker)."""
+
+    index: int
+    worker: int
+    n_bags: int
+    losses: list[float]
+    instances: int
+    read_wait_seconds: float  # waiting for bags that the read-ahead had not finished
+    compute_seconds: float  # forward + backward
+    encode_seconds: float
+    exchange_seconds: float  # sending the gradient and waiting for the step's update
+    apply_seconds: float  # decoding the update, optimizer step or delta, loading weights
+    up_bytes: int
+    down_bytes: int
+    dense_bytes: int  # 4 bytes per element of the same transfers, uncompressed
+    link_seconds: float = 0.0  # dpgs.emulate_bandwidth_mbps
+    halo_bytes: int = 0  # sample-parallel groups: traffic among the group's ranks
+    group_restarts: int = 0
+
+
+@dataclass
+class MasterStep:
+    """What the master did in step ``index``."""
+
+    index: int
+    n_bags: int
+    grad_norm: float
+    wait_seconds: float  # waiting for the workers' gradients
+    decode_seconds: float
+    optimizer_seconds: float
+    encode_seconds: float  # downlink frame (and weight delta) encoding
+    down_bytes: int  # bytes each worker receives
+    down_dense_bytes: int
+    step_seconds: float  # wall time since the previous step ended (or the chunk started)
+
+
+@dataclass
+class ChunkResult:
+    """A rank's answer to a chunk: the steps it completed, and where it stopped when it could not go on
+    (``interrupted_at``: the step whose exchange failed; None when the chunk completed)."""
+
+    rank: int
+    steps: list = field(default_factory=list)  # WorkerStep (workers) or MasterStep (master)
+    interrupted_at: int | None = None
+    reason: str = ""

@@ -1,0 +1,89 @@
+"""A model as a DPGS step sees it: flat trainable parameters, floating-point buffers, an optimizer.
+
+The master holds one with an optimizer; workers hold one without (``downlink=delta``, dense steps) or
+with a replica of the master's optimizer (``downlink=gradients``): given the same averaged gradient, the
+same clip factor and learning rate, :meth:`Replica.step` takes exactly the master's step (one function,
+:func:`dpgs.train.optim.optimizer_step`; the same thread count on every rank keeps it bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpgs.config.schema import TrainConfig
+from dpgs.distributed.flat import flat_params, float_buffers, load_flat_params, trainable
+from dpgs.distributed.messages import ReplicaState
+from dpgs.train.optim import build_optimizer, optimizer_step
+
+
+class Replica:
+    def __init__(self, model: torch.nn.Module, train_cfg: TrainConfig | None):
+        self.model = model
+        self.train_cfg = train_cfg
+        self.params = trainable(model)
+        self.numel = sum(p.numel() for p in self.params)
+        self.buffer_list = float_buffers(model)
+        self.n_buffers = sum(b.numel() for b in self.buffer_list)
+        self.optimizer = build_optimizer(self.params, train_cfg) if train_cfg is not None else None
+        self.version = 0
+
+    def flat_params(self) -> torch.Tensor:
+        """Trainable parameters as one float32 CPU vector."""
+        return flat_params(self.model)
+
+    def load_params(self, flat: torch.Tensor) -> None:
+        load_flat_params(self.model, flat)
+
+    def flat_buffers(self) -> torch.Tensor | None:
+        """Floating-point buffers (BatchNorm running statistics) as one float64 CPU vector, or None."""
+        if not self.buffer_list:
+            return None
+        return torch.cat([b.detach().reshape(-1).double().cpu() for b in self.buffer_list])
+
+    def load_buffers(self, flat: torch.Tensor | None) -> None:
+        if flat is None:
+            return
+        if flat.numel() != self.n_buffers:
+            raise ValueError(f"{flat.numel()} buffer values for a model with {self.n_buffers}")
+        offset = 0
+        with torch.no_grad():
+            for b in self.buffer_list:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
+                offset += b.numel()
+
+    def step(self, grad: torch.Tensor, lr: float, clip: float) -> None:
+        """One optimizer step on the flat float32 gradient ``grad`` (already the mini-batch mean)."""
+        if self.optimizer is None:
+            raise RuntimeError("this replica has no optimizer (the master sends it weights)")
+        offset = 0
+        for p in self.params:
+            p.grad = grad[offset : offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype)
+            offset += p.numel()
+        optimizer_step(self.optimizer, self.params, lr, clip)
+
+    def state(self, params: torch.Tensor | None = None) -> ReplicaState:
+        """What an in-sync worker holds (``params``, when given, replaces the parameters: a delta
+        broadcast's ``held``)."""
+        buffers = self.flat_buffers()
+        return ReplicaState(
+            version=self.version,
+            params=self.flat_params() if params is None else params.clone(),
+            buffers=None if buffers is None else buffers.float(),
+            optimizer=None if self.optimizer is None else self.optimizer.state_dict(),
+        )
+
+    def load_state(self, state: ReplicaState) -> None:
+        self.load_params(state.params)
+        self.load_buffers(state.buffers)
+        if self.optimizer is not None:
+            if state.optimizer is None:
+                raise ValueError("resynchronisation without optimizer state for a replica optimizer")
+            self.optimizer.load_state_dict(state.optimizer)
+        self.version = state.version
+
+    def restart(self, model_state: dict) -> None:
+        """A new fold: the fold's initial weights, a fresh optimizer, version 0."""
+        self.model.load_state_dict(model_state)
+        if self.optimizer is not None:
+            self.optimizer = build_optimizer(self.params, self.train_cfg)
+        self.version = 0

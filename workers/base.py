@@ -1,0 +1,240 @@
+"""The base of every DPGS worker role (ranks 1..P of the group).
+
+A worker holds a model replica (weights, floating-point buffers and, with ``downlink=gradients``, a
+replica of the master's optimizer), its weight version, its error-feedback residual (inside the uplink
+encoder) and a bag reader. For each step of a chunk (``ChunkPlan``) it
+
+1. reads its bags of the step (read ahead while the previous step computed) and starts reading the next
+   step's;
+2. computes, per micro-batch, the gradient of the **sum** of its bags' losses with the one hook
+   subclasses implement, :meth:`Worker.bag_gradients` (the master divides by the step's bag count);
+3. encodes the sum (raw float32 in dense mode, top-k with error feedback otherwise) and exchanges it
+   through the group (``dpgs.distributed.sync``), which leaves the replica at the step's new version.
+
+A step's contribution is kept until its exchange completes: after a failure elsewhere the same
+contribution is sent again (never recomputed), so every bag counts exactly once. Randomness (dropout) of a
+micro-batch is seeded from (seed, step, first bag), so a step computed again after this worker's own
+restart gives the same gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+import torch
+from dpgs.workers.reader import BagReader
+
+from dpgs.config import Config
+from dpgs.distributed.channel import Channel, ChannelBroken, Rendezvous
+from dpgs.distributed.codec import GradientEncoder
+from dpgs.distributed.messages import (
+    ChunkPlan,
+    ChunkResult,
+    FoldStart,
+    ReplicaState,
+    StepPlan,
+    WorkerStep,
+    worker_rank,
+)
+from dpgs.distributed.replica import Replica
+from dpgs.distributed.sync import Contribution, contribution, step_sync
+
+
+@dataclass
+class Pending:
+    """A contribution computed for step ``part.step`` and not yet exchanged, with its report."""
+
+    part: Contribution
+    report: WorkerStep
+
+
+@dataclass
+class BagGradients:
+    """What :meth:`Worker.bag_gradients` returns for one micro-batch of bags."""
+
+    grad: torch.Tensor  # flat float32 CPU: sum over the bags of d loss_b / d theta (trainable order)
+    losses: list[float]  # per bag
+    instances: int
+    halo_bytes: int = 0  # sample-parallel groups: traffic among the ranks
+    group_restarts: int = 0
+
+
+def emulate_link(nbytes: int, mbps: float | None) -> float:
+    """Sleep for the transfer time of ``nbytes`` over a ``mbps`` link; returns the seconds slept."""
+    if not mbps:
+        return 0.0
+    seconds = nbytes * 8 / (mbps * 1e6)
+    time.sleep(seconds)
+    return seconds
+
+
+class Worker:
+    """Base worker; subclasses build the model (:meth:`build_model`) and implement :meth:`bag_gradients`."""
+
+    def __init__(
+        self, worker: int, model_spec, dataset, config: Config, device: str = "cpu", threads: int = 1
+    ):
+        torch.set_num_threads(threads)
+        self.worker = worker
+        self.rank = worker_rank(worker)
+        self.device = torch.device(device)
+        self.seed = config.seed
+        self.mbps = config.dpgs.emulate_bandwidth_mbps
+        self.model = self.build_model(model_spec)
+        self.sync = step_sync(
+            config.dpgs.compression,
+            config.train,
+            sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+        )
+        self.replica = Replica(self.model, config.train if self.sync.worker_optimizer else None)
+        self.encoder = None if self.sync.dense else GradientEncoder(config.dpgs.compression, self.model)
+        self.reader = BagReader(dataset)
+        self.class_weights: torch.Tensor | None = None
+        self.channel: Channel | None = None
+        self.pending: Pending | None = None
+
+    # ---------------------------------------------------------------- hooks
+    def build_model(self, model_spec) -> torch.nn.Module:
+        """The replica this worker holds (and, for bag workers, computes with)."""
+        raise NotImplementedError
+
+    def bag_gradients(self, indices: list[int], bags: list, step: StepPlan) -> BagGradients:
+        """Gradient of the sum of the losses of ``bags`` (dataset ``indices``; one micro-batch of this
+        worker in ``step``)."""
+        raise NotImplementedError
+
+    def on_weights_changed(self) -> None:
+        """Called after the replica's weights change outside a step (fold start, resync)."""
+
+    def step_buffers(self) -> torch.Tensor | None:
+        """Floating-point buffers after this worker's forward passes (float64; None without any)."""
+        return self.replica.flat_buffers()
+
+    # ---------------------------------------------------------------- control (driver)
+    def ping(self) -> int:
+        """Process id (to detect restarts, and for fault-injection tests)."""
+        return os.getpid()
+
+    def where(self) -> dict:
+        """Node id, process id and device (printed at start-up)."""
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "device": str(self.device),
+        }
+
+    def join(self, rendezvous: Rendezvous) -> int:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
+        self.channel = rendezvous.open(self.rank)
+        return os.getpid()
+
+    def start_fold(self, fold: FoldStart) -> int:
+        """The fold's initial weights and class weights; residual and pending contribution forgotten."""
+        self.replica.restart(fold.model_state)
+        self.class_weights = None if fold.class_weights is None else fold.class_weights.to(self.device)
+        if self.encoder is not None:
+            self.encoder.reset()
+        self.pending = None
+        self.on_weights_changed()
+        return self.replica.version
+
+    def resync(self, state: ReplicaState) -> int:
+        """Hold exactly what the master says in-sync workers hold; a contribution to a step the master has
+        already taken is dropped (it was counted), one to the next step is kept (it will be sent)."""
+        self.replica.load_state(state)
+        if self.pending is not None and self.pending.part.step < state.version:
+            self.pending = None
+        self.on_weights_changed()
+        return self.replica.version
+
+    def replica_state(self) -> ReplicaState:
+        """What this worker holds (tests compare it with the master's)."""
+        return self.replica.state()
+
+    def encoder_state(self) -> dict | None:
+        """The error-feedback residual (checkpointed with the master; None in dense mode)."""
+        return None if self.encoder is None else self.encoder.state_dict()
+
+    def load_encoder_state(self, state: dict | None) -> None:
+        if self.encoder is not None and state is not None:
+            self.encoder.load_state_dict(state)
+
+    # ---------------------------------------------------------------- steps
+    def run_chunk(self, plan: ChunkPlan) -> ChunkResult:
+        """Run the chunk's steps; stop at the first exchange that cannot complete (see ChunkResult)."""
+        result = ChunkResult(self.rank)
+        for position, step in enumerate(plan.steps):
+            following = plan.steps[position + 1] if position + 1 < len(plan.steps) else plan.after
+            try:
+                result.steps.append(self._step(step, following))
+            except ChannelBroken as err:
+                result.interrupted_at, result.reason = step.index, str(err)
+                break
+        return result
+
+    def _step(self, step: StepPlan, following: StepPlan | None) -> WorkerStep:
+        if step.index != self.replica.version:
+            raise RuntimeError(
+                f"worker {self.worker} holds version {self.replica.version}, asked to run step {step.index}"
+            )
+        if self.pending is None or self.pending.part.step != step.index:
+            self.pending = self._contribute(step, following)
+        report = self.pending.report
+        link = emulate_link(self.pending.part.up_bytes, self.mbps)
+        received = self.sync.worker(self.channel, step, self.pending.part, self.replica)
+        self.pending = None
+        report.exchange_seconds, report.apply_seconds = received.exchange_seconds, received.apply_seconds
+        report.down_bytes = received.down_bytes
+        report.link_seconds = link + emulate_link(received.down_bytes, self.mbps)
+        return report
+
+    def _contribute(self, step: StepPlan, following: StepPlan | None) -> Pending:
+        """Compute and encode this worker's part of ``step``."""
+        micro_batches = [list(m) for m in step.bags[self.worker] if m]
+        wait = time.perf_counter()
+        bags = [[self.reader.take(i, step.epoch) for i in micro] for micro in micro_batches]
+        if following is not None:
+            self.reader.read_ahead(following.worker_bags(self.worker), following.epoch)
+        start = time.perf_counter()
+        total, losses, instances, halo, restarts = None, [], 0, 0, 0
+        self.model.train()
+        for indices, micro in zip(micro_batches, bags, strict=True):
+            out = self.bag_gradients(indices, micro, step)
+            total = out.grad if total is None else total.add_(out.grad)
+            losses += out.losses
+            instances += out.instances
+            halo += out.halo_bytes
+            restarts += out.group_restarts
+        computed = time.perf_counter()
+        n_bags = len(losses)
+        if self.sync.dense:
+            gradient = total if total is not None else torch.zeros(self.replica.numel)
+        elif n_bags:
+            gradient, _ = self.encoder.encode(total, step.keep_ratio)
+        else:
+            gradient = b""  # nothing to send; the residual waits for this worker's next bags
+        part = contribution(step.index, n_bags, gradient, self.step_buffers())
+        encoded = time.perf_counter()
+        report = WorkerStep(
+            index=step.index,
+            worker=self.worker,
+            n_bags=n_bags,
+            losses=losses,
+            instances=instances,
+            read_wait_seconds=start - wait,
+            compute_seconds=computed - start,
+            encode_seconds=encoded - computed,
+            exchange_seconds=0.0,
+            apply_seconds=0.0,
+            up_bytes=part.up_bytes,
+            down_bytes=0,
+            dense_bytes=4 * self.replica.numel + 8 * self.replica.n_buffers,
+            halo_bytes=halo,
+            group_restarts=restarts,
+        )
+        return Pending(part, report)
