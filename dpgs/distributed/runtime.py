@@ -1,8 +1,9 @@
 """Connecting to Ray and reserving resources for the workers.
 
-* ``dpgs.address`` unset: start a local Ray instance sized to this machine (dashboard off unless
-  ``dpgs.dashboard``; object store ``dpgs.object_store_gb`` or 20% of RAM capped at 8 GiB).
-  ``auto`` or ``host:port``: join an existing cluster, with a clear error when there is none.
+* ``dpgs.address`` unset: always start a new local Ray instance sized to this machine
+  (``address="local"``: another Ray on the machine, ``RAY_ADDRESS`` or a stale cluster file are ignored;
+  dashboard off unless ``dpgs.dashboard``; object store ``dpgs.object_store_gb`` or 20% of RAM capped at
+  8 GiB). ``auto`` or ``host:port``: join an existing cluster, with a clear error when there is none.
 * Workers get one placement-group bundle each, so the run starts only when all of them fit; when
   they cannot, the error names the request and what the cluster has instead of hanging.
 * On one machine, P virtual nodes share its CPUs (``cpus_per_worker`` = CPUs / P, so that the workers
@@ -90,7 +91,10 @@ def connect(cfg: DpgsConfig) -> None:
             ) from None
         return
     store = int(cfg.object_store_gb * (1 << 30)) if cfg.object_store_gb else _default_object_store_bytes()
+    print("[dpgs] starting a local Ray instance for this run (dpgs.address unset; --address auto joins a "
+          "running cluster)", flush=True)
     ray.init(
+        address="local",
         num_cpus=os.cpu_count(),
         include_dashboard=cfg.dashboard,
         object_store_memory=store,

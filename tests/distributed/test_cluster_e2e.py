@@ -99,6 +99,15 @@ def test_dpgs_train_on_a_two_node_cluster(cluster, tmp_path):
     nodes = {line.split("node=")[1].split()[0] for line in result.stdout.splitlines() if "node=" in line}
     assert len(nodes) == 2, f"workers were not spread over both nodes: {result.stdout}"
 
+    # Without --address the run starts its own Ray, even with this cluster running and RAY_ADDRESS set.
+    local = [c for c in cmd if c not in ("--address", "auto")]
+    local[local.index(f"train.output_dir={tmp_path / 'run'}")] = f"train.output_dir={tmp_path / 'local'}"
+    result = subprocess.run(local, env=cluster, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "starting a local Ray instance" in result.stdout
+    assert "Started a local Ray instance" in result.stderr
+    assert "Connecting to existing Ray cluster" not in result.stderr
+
 
 def test_address_without_cluster_is_a_clear_error(tmp_path):
     manifest, feats = write_bags(tmp_path / "data", [5, 4, 3, 6, 2, 7, 8, 9, 3, 4])
