@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -109,8 +110,9 @@ def _dpgs_step(paths, out, g: int, bags: int, steps: int, cpus: int) -> tuple[fl
     """Median step seconds of a P=1 DPGS run with ``g`` ranks per worker (1: a BagWorker)."""
     from dpgs.config import load_config
     from dpgs.data import load_experiment_data
-    from dpgs.distributed.engine import DpgsEngine
+    from dpgs.distributed.session import DpgsSession
     from dpgs.modeling import ModelSpec
+    from dpgs.train.engine import FoldSetup
 
     manifest, slides, tiles = paths
     config = load_config(None, [
@@ -120,18 +122,20 @@ def _dpgs_step(paths, out, g: int, bags: int, steps: int, cpus: int) -> tuple[fl
         "model.encoder=resnet18", "model.big_stages=1", "model.name=abmil", "train.mode=dpgs",
         "train.optimizer=sgd", "train.scheduler=none", f"train.output_dir={out}", "dpgs.workers=1",
         f"dpgs.sample_parallel={g}", f"dpgs.cpus_per_worker={cpus // g}", "dpgs.compression.keep_ratio=1.0",
-        "dpgs.compression.downlink=false"])
+        "dpgs.checkpoint_every=1"])
     data = load_experiment_data(config.data, seed=0)
     spec = ModelSpec(config.model, None, len(data.manifest.classes))
     torch.manual_seed(0)
-    engine = DpgsEngine(config, spec.build(), None, (data.dataset, data.splits[0].train), spec)
+    session = DpgsSession(config)
+    engine = session.engine(FoldSetup(config, spec, spec.build(), None, data.dataset, data.splits[0].train,
+                                      torch.device("cpu"), Path(out)))
     marks = [time.perf_counter()]
-    engine.hooks["after_step"] = lambda *_: marks.append(time.perf_counter())
+    engine.hooks.after_chunk = lambda *_: marks.append(time.perf_counter())  # chunks of one step
     try:
         n = len(data.dataset)
-        stats = engine.run_epoch([[(s * bags + b) % n for b in range(bags)] for s in range(steps + 1)], 1)
+        stats = engine.run_epoch([[(s * bags + b) % n for b in range(bags)] for s in range(steps + 1)], 1, [])
     finally:
-        engine.close()
+        session.close()
     times = [b - a for a, b in zip(marks[:-1], marks[1:], strict=True)][1:]
     return statistics.median(times), stats
 
