@@ -210,33 +210,32 @@ class GradientsSync:
         start = time.perf_counter()
         grads, buffers = split_up(channel.gather_up(), replica, None)
         payloads = _payloads(grads)
+        merged = None if buffers is None else buffers / step.n_bags
         waited = time.perf_counter()
+
+        def relay(clip: float) -> int:
+            frame = encode_frame(KIND_GRADIENTS, step.index + 1, clip, [*payloads, buffers_bytes(merged)])
+            channel.send_down(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
+            return len(frame)
+
+        clipping = self.train.grad_clip is not None
+        down = 0 if clipping else relay(1.0)  # nothing to compute first: the workers decode meanwhile
+        sent = time.perf_counter()
         total = self.decoder.sum_into(torch.zeros(replica.numel), payloads, step.counts())
-        decoded = time.perf_counter()
         grad = total.div_(step.n_bags)
         norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
         clip = clip_coefficient(norm, self.train.grad_clip)
-        merged = None if buffers is None else buffers / step.n_bags
-        frame = encode_frame(KIND_GRADIENTS, step.index + 1, clip, [*payloads, buffers_bytes(merged)])
-        channel.send_down(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
-        sent = time.perf_counter()
+        decoded = time.perf_counter()
+        if clipping:
+            down = relay(clip)
+        relayed = time.perf_counter()
         replica.step(grad, step.lr, clip)  # the workers take the same step meanwhile
         replica.load_buffers(merged)
         replica.version = step.index + 1
         done = time.perf_counter()
         dense = 4 * (replica.numel + replica.n_buffers)
-        return MasterStep(
-            step.index,
-            step.n_bags,
-            norm,
-            waited - start,
-            decoded - waited,
-            done - sent,
-            sent - decoded,
-            len(frame),
-            dense,
-            done - start,
-        )
+        return MasterStep(step.index, step.n_bags, norm, waited - start, decoded - sent, done - relayed,
+                          (sent - waited) + (relayed - decoded), down, dense, done - start)
 
 
 class DeltaSync:

@@ -69,16 +69,18 @@ def assert_close(a: dict, b: dict, rtol: float):
         assert err <= rtol, f"{key}: relative error {err:.2e} > {rtol}"
 
 
-@pytest.mark.parametrize("workers,transport", [(1, "gloo"), (2, "gloo"), (3, "gloo"), (2, "ray")])
-def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers, transport):
+@pytest.mark.parametrize("workers,transport,clip", [(1, "gloo", None), (2, "gloo", None), (3, "gloo", None),
+                                                    (2, "ray", None), (2, "gloo", 0.05)])
+def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers, transport, clip):
     """B=7 bags of lengths 1..1000 (B not divisible by P): DPGS step == single-process packed step.
 
     SGD, because Adam's first step is lr * sign(g): entries whose gradient is ~0 flip with float32
     summation order, which says nothing about the stacking. Dense mode sends raw float32: exactly 4 bytes
-    per parameter each way.
+    per parameter each way. With ``train.grad_clip`` the master clips the mean gradient as the
+    single-process engine does.
     """
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", f"dpgs.workers={workers}",
-                         f"dpgs.transport={transport}", *EXACT, *DENSE)
+                         f"dpgs.transport={transport}", f"train.grad_clip={clip or 'null'}", *EXACT, *DENSE)
     data = experiment_data(config)
     batch = [[0, 1, 2, 3, 4, 5, 6]]
     before = start(config, data)[1].state_dict()
@@ -93,16 +95,14 @@ def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers,
     assert all(torch.equal(r.params, master.params) and r.version == 1 for r in replicas)
 
 
-@pytest.mark.parametrize("downlink", ["gradients", "delta"])
-def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bags, tmp_path, downlink):
+@pytest.mark.parametrize("downlink,clip", [("gradients", None), ("gradients", 0.05), ("delta", None)])
+def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bags, tmp_path, downlink, clip):
     """Keep 10%, Adam, two epochs: with downlink=gradients every worker holds exactly the master's
-    parameters and optimizer state (same decode, sum and step); with downlink=delta exactly what the
-    master's broadcast says they hold. The stacked steps still follow the packed run closely, and the
-    master's first step equals a single-process step on the decoded gradients (the codec is the only
-    difference)."""
+    parameters and optimizer state (same decode, sum, clip factor and step); with downlink=delta exactly
+    what the master's broadcast says they hold."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "train.lr=0.01",
                          "dpgs.compression.keep_ratio=0.1", "dpgs.compression.value_dtype=fp16",
-                         f"dpgs.compression.downlink={downlink}")
+                         f"dpgs.compression.downlink={downlink}", f"train.grad_clip={clip or 'null'}")
     data = experiment_data(config)
     batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     stacked, stats, replicas, master = dpgs_run(config, data, batches, epochs=2)
