@@ -4,7 +4,8 @@ Input: the runs an experiment holds under the tracking contract of docs/architec
 metrics logged with ``step = epoch``, ``elapsed_seconds`` the wall time since the run started, params
 from the flattened config). One row per top-level run; a k-fold parent (tag ``dpgs.kfold_parent``, or
 any run with nested runs) is one row summarising its nested fold runs, which are not listed on their own.
-Runs tagged ``dpgs.kind=comparison`` (earlier comparisons) are skipped.
+Runs tagged ``dpgs.kind=comparison`` (earlier comparisons) or ``dpgs.kind=evaluation`` (``dpgs eval``
+runs and their nested fold runs) are skipped.
 
 Per run, for the compared metric ``m`` (``val_auc`` by default; lower is better when its name ends in
 ``loss``, higher otherwise):
@@ -20,7 +21,11 @@ Per run, for the compared metric ``m`` (``val_auc`` by default; lower is better 
 * ``compression_ratio``: dense bytes over bytes sent for the whole run,
   ``sum_e comm_dense_bytes_e / sum_e (comm_bytes_up_e + comm_bytes_down_e)``, else the mean of the
   per-epoch ``compression_ratio``.
-* ``test_auc``, ``test_acc``: the final test metrics.
+* ``test_auc``, ``test_acc``: the final test metrics; ``test_auc_ci`` and ``test_acc_ci``: their
+  bootstrap confidence intervals ``[test_<m>_ci_low, test_<m>_ci_high]`` (single runs that logged them);
+  ``test_<m>_vs_best``: ``best`` for the run with the highest ``test_<m>`` among the rows with an
+  interval, ``overlaps`` when a run's interval overlaps the best run's (their difference is within the
+  sampling noise of the test set), ``separated`` when it does not, ``-`` without an interval.
 
 K-fold rows hold the mean over the folds that have a value and, in ``<column>_std``, the population
 standard deviation (``numpy.std``, as the trainer's ``cv_std_test_*``); ``time_to_target_s`` is the mean
@@ -44,8 +49,13 @@ import numpy as np  # noqa: E402
 from mlflow.entities import Run, ViewType  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from dpgs.metrics import Interval  # noqa: E402
+
 COMPARISON_TAG = "dpgs.kind"
 COMPARISON_KIND = "comparison"
+SKIPPED_KINDS = (COMPARISON_KIND, "evaluation")
+CI_COLUMNS = ("test_auc", "test_acc")  # metrics shown with their bootstrap interval and overlap flag
+CI_BOUNDS = tuple(f"{m}_ci_{end}" for m in CI_COLUMNS for end in ("low", "high"))
 PARENT_TAG = "mlflow.parentRunId"
 KFOLD_TAG = "dpgs.kfold_parent"
 FILES = ("comparison.csv", "comparison.md", "metric_vs_time.png")
@@ -78,7 +88,11 @@ COLUMNS = (
     "bytes_per_step",
     "compression_ratio",
     "test_auc",
+    "test_auc_ci",
+    "test_auc_vs_best",
     "test_acc",
+    "test_acc_ci",
+    "test_acc_vs_best",
 )
 HEADERS = {
     "best": "best {metric}",
@@ -87,7 +101,13 @@ HEADERS = {
     "time_to_target_s": "time to target (s)",
     "bytes_per_step": "bytes/step",
     "compression_ratio": "compression",
+    "test_auc_ci": "test_auc CI",
+    "test_auc_vs_best": "test_auc vs best",
+    "test_acc_ci": "test_acc CI",
+    "test_acc_vs_best": "test_acc vs best",
 }
+NOTE = ("CI: bootstrap confidence interval of the test metric; vs best: `overlaps` when the run's interval "
+        "overlaps the best run's (the difference is within the sampling noise), `separated` when not.")
 
 
 class CompareError(ValueError):
@@ -215,6 +235,33 @@ def _aggregate(row: dict, per_run: list[dict], kfold: bool, target: float | None
     row["reached"] = f"{int(sum(reached))}/{len(per_run)}" if target is not None and per_run else "-"
 
 
+def _intervals(run: Run | None) -> dict[str, float]:
+    """``<m>_ci_low`` / ``<m>_ci_high`` of a single run's logged intervals (NaN for k-fold rows or when
+    not logged: the mean of fold intervals is not an interval)."""
+    metrics = {} if run is None else run.data.metrics
+    return {key: metrics.get(key, math.nan) for key in CI_BOUNDS}
+
+
+def flag_overlaps(rows: list[dict], metric: str) -> None:
+    """Set ``<metric>_ci`` (the interval as text) and ``<metric>_vs_best`` on every row (module docstring)."""
+
+    def interval(row: dict) -> Interval | None:
+        low, high = row[f"{metric}_ci_low"], row[f"{metric}_ci_high"]
+        return None if math.isnan(low) or math.isnan(high) else Interval(low, high, math.nan)  # level unused
+
+    with_ci = [r for r in rows if interval(r) is not None and not math.isnan(r[metric])]
+    best = max(with_ci, key=lambda r: r[metric]) if with_ci else None
+    for row in rows:
+        ci = interval(row)
+        row[f"{metric}_ci"] = "-" if ci is None else f"[{ci.low:.4g}, {ci.high:.4g}]"
+        if ci is None or math.isnan(row[metric]):
+            row[f"{metric}_vs_best"] = "-"
+        elif row is best:
+            row[f"{metric}_vs_best"] = "best"
+        else:
+            row[f"{metric}_vs_best"] = "overlaps" if ci.overlaps(interval(best)) else "separated"
+
+
 def compare(
     tracking_uri: str, experiment: str, metric: str = "val_auc", target: float | None = None
 ) -> list[dict]:
@@ -229,7 +276,7 @@ def compare(
     runs = [
         r
         for r in _search_all(client, found.experiment_id)
-        if r.data.tags.get(COMPARISON_TAG) != COMPARISON_KIND
+        if r.data.tags.get(COMPARISON_TAG) not in SKIPPED_KINDS
     ]
     ids = {r.info.run_id for r in runs}
     children: dict[str, list[Run]] = {}
@@ -257,10 +304,13 @@ def compare(
             for m, c in zip(members, curves, strict=True)
         ]
         _aggregate(row, per_run, kfold, target)
+        row.update(_intervals(None if kfold else run))
         row["curves"] = [
             (m.info.run_name or m.info.run_id[:8], c) for m, c in zip(members, curves, strict=True)
         ]
         rows.append(row)
+    for metric_name in CI_COLUMNS:
+        flag_overlaps(rows, metric_name)
     if not any(c.epochs for row in rows for _, c in row["curves"]):
         logged = sorted({k for r in runs for k in r.data.metrics})
         raise CompareError(
@@ -288,12 +338,13 @@ def to_markdown(rows: list[dict], metric: str) -> str:
     header = [HEADERS.get(c, c).format(metric=metric) for c in COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(format_cell(r, c) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", NOTE])
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    """One line per row: raw numbers (empty when missing) and, for k-fold rows, ``<column>_std``."""
-    fields = ["run_id", *COLUMNS, *(f"{k}_std" for k in NUMERIC)]
+    """One line per row: raw numbers (empty when missing), for k-fold rows ``<column>_std``, and the
+    interval bounds ``test_<m>_ci_low`` / ``_ci_high``."""
+    fields = ["run_id", *COLUMNS, *(f"{k}_std" for k in NUMERIC), *CI_BOUNDS]
     with path.open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()

@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dpgs.outputs import write_atomically  # noqa: E402
+
 
 def plot_training_curves(history: list[dict[str, float]], path: str | Path, title: str = "") -> Path:
     """Loss (train/val) and validation AUC/accuracy per epoch, saved as PNG."""
@@ -30,6 +32,8 @@ def plot_training_curves(history: list[dict[str, float]], path: str | Path, titl
     ax_score.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return Path(path)

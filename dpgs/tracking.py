@@ -2,20 +2,34 @@
 
 Only the driver process logs. Metrics and params go through ``MlflowClient.log_batch`` so an epoch is
 one round trip to the tracking store, which matters for SQLite and for remote tracking servers.
+
+A run that does not finish is ended by :meth:`RunTracker.fail`: KILLED when it was interrupted (SIGINT,
+SIGTERM), FAILED on any error, with the reason in the ``dpgs.error`` tag.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+from dpgs.errors import RunFailure
 
 PARAM_VALUE_LIMIT = 6000
 BATCH_LIMIT = 100
+ERROR_TAG_LIMIT = 5000
+
+
+class TrackingError(RunFailure):
+    """The MLflow tracking store cannot be used (wrong URI, unreachable server); nothing was logged."""
+
+    exit_code = 2
 
 
 class RunTracker:
@@ -34,13 +48,17 @@ class RunTracker:
         tags: dict[str, str] | None = None,
         parent: RunTracker | None = None,
     ) -> RunTracker:
-        client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
         all_tags = dict(tags or {})
         if parent is not None:
             all_tags["mlflow.parentRunId"] = parent.run_id
-        run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+            run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+        except MlflowException as err:
+            reason = err.message.strip()
+            raise TrackingError(f"tracking.uri={uri}: cannot start an MLflow run ({reason})") from None
         return cls(client, run.info.run_id)
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -67,3 +85,15 @@ class RunTracker:
 
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+    def fail(self, error: BaseException) -> None:
+        """End the run as KILLED (``error`` is an interrupt: SIGINT, SIGTERM) or FAILED (anything else),
+        with the reason in the ``dpgs.error`` tag. Never raises: the error that ended the run is the one to
+        report, so a tracking store that cannot be reached only prints a warning."""
+        status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        reason = str(error) or type(error).__name__
+        try:
+            self.set_tags({"dpgs.error": reason[:ERROR_TAG_LIMIT]})
+            self.end(status)
+        except Exception as err:  # the store itself failed; the run's own error matters more
+            print(f"[dpgs] warning: could not mark MLflow run {self.run_id} {status}: {err}", file=sys.stderr)

@@ -56,13 +56,13 @@ def experiment_data(config):
 
 
 @contextmanager
-def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None):
+def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None, eval_dataset=None):
     """A DPGS engine for one fold on its own session (closed on exit)."""
     from dpgs.distributed.session import DpgsSession
 
     session = DpgsSession(config)
     setup = FoldSetup(config, spec, model, class_weights, dataset, list(train_indices), torch.device("cpu"),
-                      Path(config.train.output_dir))
+                      Path(config.train.output_dir), eval_dataset)
     try:
         yield session.engine(setup)
     finally:

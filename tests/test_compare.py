@@ -234,6 +234,29 @@ def test_experiment_without_runs_and_unknown_metric(uri, tmp_path, capsys):
     assert not (tmp_path / "comparison.csv").exists()
 
 
+def test_intervals_flag_differences_within_the_noise_and_evaluation_runs_are_skipped(uri, tmp_path):
+    def ci(auc, low, high, acc=0.8):
+        return {"test_auc": auc, "test_auc_ci_low": low, "test_auc_ci_high": high, "test_acc": acc,
+                "test_acc_ci_low": acc - 0.05, "test_acc_ci_high": acc + 0.05}
+
+    log_run(uri, "best", CLASSIC, [0.9], final=ci(0.9, 0.85, 0.95), experiment="ci")
+    log_run(uri, "close", CLASSIC, [0.8], final=ci(0.88, 0.80, 0.93, acc=0.7), experiment="ci")
+    log_run(uri, "worse", CLASSIC, [0.7], final=ci(0.70, 0.60, 0.78, acc=0.95), experiment="ci")
+    log_run(uri, "no-ci", CLASSIC, [0.6], final={"test_auc": 0.95}, experiment="ci")
+    log_run(uri, "eval-best", CLASSIC, [0.99], final=ci(0.99, 0.98, 1.0), experiment="ci",
+            tags={"dpgs.kind": "evaluation"})
+    out = tmp_path / "cmp"
+    assert main(["compare", "--experiment", "ci", "--tracking-uri", uri, "--out", str(out)]) == 0
+    rows = read_rows(out)
+    assert set(rows) == {"best", "close", "worse", "no-ci"}  # the evaluation run is not a row
+    flags = {name: (r["test_auc_vs_best"], r["test_acc_vs_best"]) for name, r in rows.items()}
+    assert flags == {"best": ("best", "separated"), "close": ("overlaps", "separated"),
+                     "worse": ("separated", "best"), "no-ci": ("-", "-")}
+    assert rows["close"]["test_auc_ci"] == "[0.8, 0.93]" and float(rows["close"]["test_auc_ci_low"]) == 0.8
+    markdown = (out / "comparison.md").read_text()
+    assert "| test_auc CI | test_auc vs best |" in markdown and "within the sampling noise" in markdown
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

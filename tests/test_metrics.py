@@ -32,3 +32,76 @@ def test_auc_undefined_for_one_class():
 def test_shape_errors():
     with pytest.raises(ValueError, match="expected y"):
         classification_metrics([0, 1], np.ones((3, 2)) / 2)
+
+
+def random_probs(rng, n, c, decimals=2):
+    """Rounded (tied) class probabilities [n, c]."""
+    return np.round(rng.dirichlet(np.ones(c), n), decimals)
+
+
+def sklearn_macro_ovr_auc(y, probs):
+    """sklearn's one-vs-rest macro AUC (without its check that rounded rows sum to 1)."""
+    from sklearn.metrics import roc_auc_score
+
+    return np.mean([roc_auc_score(y == c, probs[:, c]) for c in range(probs.shape[1])])
+
+
+@pytest.mark.parametrize("classes", [2, 4])
+def test_accuracy_balanced_accuracy_and_auc_equal_sklearn(classes):
+    from sklearn.metrics import accuracy_score, balanced_accuracy_score, roc_auc_score
+
+    rng = np.random.default_rng(classes)
+    y = rng.integers(0, classes, 300)
+    probs = random_probs(rng, 300, classes)
+    m = classification_metrics(y, probs)
+    assert m["acc"] == pytest.approx(accuracy_score(y, probs.argmax(1)))
+    assert m["bacc"] == pytest.approx(balanced_accuracy_score(y, probs.argmax(1)))
+    expected = roc_auc_score(y, probs[:, 1]) if classes == 2 else sklearn_macro_ovr_auc(y, probs)
+    assert m["auc"] == pytest.approx(expected)
+
+
+def test_ci_of_a_perfect_classifier_is_one_one():
+    from dpgs.metrics import bootstrap_ci
+
+    y = np.array([0] * 20 + [1] * 30)
+    probs = np.eye(2)[y] * 0.8 + 0.1
+    for name, ci in bootstrap_ci(y, probs, resamples=1000, seed=3).items():
+        assert (ci.low, ci.high) == (1.0, 1.0), name
+
+
+def test_ci_of_a_random_classifier_contains_one_half():
+    from dpgs.metrics import bootstrap_ci
+
+    rng = np.random.default_rng(11)
+    y = rng.integers(0, 2, 200)
+    probs = random_probs(rng, 200, 2, decimals=6)
+    cis = bootstrap_ci(y, probs, resamples=1000, level=0.95, seed=0)
+    for name, ci in cis.items():
+        assert ci.low < 0.5 < ci.high, (name, ci)
+        assert ci.high - ci.low < 0.3
+
+
+def test_bootstrap_is_stratified_seeded_and_a_percentile_interval():
+    from dpgs.metrics import bootstrap_ci, stratified_resamples
+
+    rng = np.random.default_rng(2)
+    y = np.array([0] * 12 + [1] * 7 + [2] * 5)
+    probs = random_probs(rng, y.size, 3)
+    rows = stratified_resamples(y, 400, seed=9)
+    assert rows.shape == (400, y.size)
+    assert all(np.array_equal(np.bincount(y[r], minlength=3), [12, 7, 5]) for r in rows)  # class counts kept
+    reference = [sklearn_macro_ovr_auc(y[r], probs[r]) for r in rows]
+    ci = bootstrap_ci(y, probs, ("auc",), resamples=400, level=0.9, seed=9)["auc"]
+    assert (ci.low, ci.high) == pytest.approx(tuple(np.percentile(reference, [5, 95])))
+    assert bootstrap_ci(y, probs, ("auc",), 400, 0.9, seed=9)["auc"] == ci
+    assert bootstrap_ci(y, probs, ("auc",), 400, 0.9, seed=10)["auc"] != ci
+
+
+def test_ci_is_undefined_for_one_class_and_empty_sets():
+    from dpgs.metrics import bootstrap_ci
+
+    one_class = bootstrap_ci(np.array([1, 1, 1]), np.array([[0.2, 0.8]] * 3), resamples=10)
+    assert math.isnan(one_class["auc"].low) and one_class["acc"].low == 1.0
+    assert math.isnan(bootstrap_ci(np.zeros(0, int), np.zeros((0, 2)), resamples=10)["acc"].high)
+    with pytest.raises(ValueError, match="no bootstrap interval for"):
+        bootstrap_ci([0, 1], np.eye(2), ("f1",))

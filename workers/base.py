@@ -19,6 +19,7 @@ restart gives the same gradient.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from dpgs.distributed.messages import (
 )
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import Contribution, contribution, step_sync
+from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Worker:
         self.class_weights: torch.Tensor | None = None
         self.channel: Channel | None = None
         self.pending: Pending | None = None
+        self.eval_model: torch.nn.Module | None = None
 
     # ---------------------------------------------------------------- hooks
     def build_model(self, model_spec) -> torch.nn.Module:
@@ -155,6 +158,14 @@ class Worker:
     def replica_state(self) -> ReplicaState:
         """What this worker holds (tests compare it with the master's)."""
         return self.replica.state()
+
+    def evaluate(self, state: dict, indices: list[int], protocol: EvalProtocol) -> Predictions:
+        """Predictions of a shard of the evaluation bags with the weights ``state`` (scored on a copy of the
+        replica, so training state is untouched; tile bags stream from the slides chunk by chunk)."""
+        if self.eval_model is None:
+            self.eval_model = copy.deepcopy(self.model)
+        self.eval_model.load_state_dict(state)
+        return score_bags(self.eval_model, self.reader.dataset, indices, protocol, self.device)
 
     def encoder_state(self) -> dict | None:
         """The error-feedback residual (checkpointed with the master; None in dense mode)."""

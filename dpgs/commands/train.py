@@ -1,8 +1,15 @@
-"""``dpgs train``: train a model from a YAML config plus dotted overrides."""
+"""``dpgs train``: train a model from a YAML config plus dotted overrides.
+
+Exit codes (docs/reliability.md): 0 trained; 2 refused before training or stopped by something the user
+can fix (config, inputs, resume, output directory, disk), with ``dpgs train: error: ...``; 3 the cluster,
+a worker or the master failed (``RunFailure``); 130 / 143 interrupted by SIGINT / SIGTERM. Every run that
+does not finish is marked KILLED (interrupted) or FAILED in MLflow and keeps its checkpoints.
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -16,7 +23,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking.uri, sqlite:///mlflow.db)")
     p.add_argument("--address", help="Ray address for train.mode=dpgs: 'auto' or host:port (dpgs.address)")
     p.add_argument("--resume", help="resume a DPGS run from a checkpoint directory or MLflow run id")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    p.add_overrides("overrides", help="dotted config overrides, before, between or after the options")
     return p
 
 
@@ -24,26 +31,32 @@ def run(args) -> int:
     from dpgs.config import ConfigError, load_config
     from dpgs.data import DataValidationError
     from dpgs.errors import RunFailure
+    from dpgs.interrupts import Interrupted, signals_interrupt
 
     overrides = list(args.overrides)
     if args.tracking_uri:
         overrides.append(f"tracking.uri={args.tracking_uri}")
     if args.address:
         overrides.append(f"dpgs.address={args.address}")
+    config = None
     try:
-        config = load_config(args.config, overrides)
-        if args.resume:
-            if config.train.mode != "dpgs":
-                raise ConfigError("--resume needs train.mode=dpgs (single-process runs restart from best.pt)")
-            from dpgs.distributed.resume import attach_resume
+        with signals_interrupt():
+            config = load_config(args.config, overrides)
+            if args.resume:  # checked against the checkpoint by run_training, before anything is written
+                from dpgs.distributed.resume import attach_resume
 
-            config = attach_resume(config, args.resume)
-        if config.data.manifest is None:
-            raise ConfigError("data.manifest is required (set it in the config or as data.manifest=PATH)")
-        from dpgs.runner import run_training
+                config = attach_resume(config, args.resume)
+            if config.data.manifest is None:
+                raise ConfigError("data.manifest is required (set it in the config or as data.manifest=PATH)")
+            from dpgs.runner import run_training
 
-        result = run_training(config)
-    except (ConfigError, DataValidationError, FileNotFoundError, ValueError) as err:
+            result = run_training(config)
+    except KeyboardInterrupt as err:
+        stopped = err if isinstance(err, Interrupted) else Interrupted(signal.SIGINT)
+        kept = f"; the checkpoints in {config.train.output_dir} are kept" if config is not None else ""
+        print(f"dpgs train: {stopped} (a started MLflow run is marked KILLED{kept})", file=sys.stderr)
+        return stopped.exit_code
+    except (ConfigError, DataValidationError, ValueError, OSError) as err:
         print(f"dpgs train: error: {err}", file=sys.stderr)
         return 2
     except RunFailure as err:

@@ -73,7 +73,10 @@ def sparsify_(acc: torch.Tensor, k: int, *, ranges: np.ndarray, dense_pos: torch
         norm = float(torch.linalg.vector_norm(original, dtype=torch.float64))
         if norm > clip_norm:
             scale = clip_norm / norm
-    sent = quantize(original * scale if scale < 1.0 else original, original, dtype)
+    if dtype.name == "fp32" and scale == 1.0:
+        sent = original  # float32 values unscaled: rounding would change nothing
+    else:
+        sent = quantize(original * scale if scale < 1.0 else original, original, dtype)
     if every:
         acc.sub_(sent)
     else:

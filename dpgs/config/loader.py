@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from dpgs.config.schema import Config
+from dpgs.outputs import write_text_atomically
 
 
 class ConfigError(ValueError):
@@ -111,4 +112,5 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    """Write ``config`` as YAML to ``path`` atomically (a reader never sees half a file)."""
+    write_text_atomically(path, yaml.safe_dump(config_to_dict(config), sort_keys=False))

@@ -3,7 +3,8 @@
 :func:`load_experiment_data` reads the manifest, builds the splits and validates every feature file,
 then raises one :class:`DataValidationError` listing all problems (manifest rows, split files, feature
 files) before anything is written. Split precedence: ``data.folds > 1`` (K-fold), else
-``data.split_file`` (CLAM), else the manifest's ``split`` column.
+``data.split_file`` (CLAM), else the manifest's ``split`` column. Training needs at least two classes,
+every class in every training part, and every case (patient) in one part only (``split_problems``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dpgs.data.dataset import BagDataset
 from dpgs.data.errors import DataValidationError
 from dpgs.data.manifest import Manifest, load_manifest
 from dpgs.data.readers import BagInfo
-from dpgs.data.splits import Split, clam_splits, kfold_splits, manifest_split
+from dpgs.data.splits import Split, clam_splits, kfold_splits, manifest_split, split_problems
 from dpgs.data.validate import validate_inputs
 
 
@@ -36,7 +37,22 @@ class ExperimentData:
 
 
 def build_splits(manifest: Manifest, data_cfg: Any, seed: int) -> list[Split]:
-    """The splits selected by ``data.folds``, ``data.split_file`` or the manifest's split column."""
+    """The splits selected by ``data.folds``, ``data.split_file`` or the manifest's split column, checked
+    for training (:func:`~dpgs.data.splits.split_problems`); DataValidationError lists every problem."""
+    present = sorted({r.label_name for r in manifest.records})
+    if len(present) == 1:
+        raise DataValidationError([
+            f"{manifest.source}: every slide has label '{present[0]}'; training a classifier needs at least "
+            "two classes"
+        ])
+    splits = _select_splits(manifest, data_cfg, seed)
+    problems = [problem for split in splits for problem in split_problems(manifest, split)]
+    if problems:
+        raise DataValidationError(problems)
+    return splits
+
+
+def _select_splits(manifest: Manifest, data_cfg: Any, seed: int) -> list[Split]:
     if data_cfg.folds > 1:
         if data_cfg.split_file is not None:
             raise DataValidationError(

@@ -1,8 +1,10 @@
 """Manifest CSV: one row per slide with ``slide_id,label`` and optional ``case_id`` and ``split``.
 
-Labels may be integers or strings. Class indices follow a stable order: numeric order when every label
-is an integer, otherwise sorted string order; ``classes`` (for example from a checkpoint's
-``classes.json``) forces an order instead, and labels outside it are reported as unknown. ``case_id``
+Labels may be integers or strings, not both: a column of integer labels with a few text ones (or the
+reverse) is a typo, reported naming the rows of the fewer kind, rather than a class of its own. Class
+indices follow a stable order: numeric order when every label is an integer, otherwise sorted string
+order; ``classes`` (for example from a checkpoint's ``classes.json``) forces an order instead, and labels
+outside it are reported as unknown. ``case_id``
 (the patient) defaults to the slide id; ``split`` must be ``train``, ``val`` or ``test`` when given.
 
 Problems of individual rows are collected (row numbers are CSV line numbers, header = line 1) rather
@@ -81,6 +83,23 @@ def class_order(names: list[str]) -> list[str]:
     if distinct and all(_INT.fullmatch(n) for n in distinct):
         return sorted(distinct, key=int)
     return sorted(distinct)
+
+
+def _mixed_label_problems(path: Path, kept: list[tuple[int, dict[str, str]]], names: list[str]) -> list[str]:
+    """One problem per row whose label is of the rarer kind when integer and text labels are mixed."""
+    numeric = [bool(_INT.fullmatch(n)) for n in names]
+    n_int = sum(numeric)
+    n_text = sum(1 for n, is_int in zip(names, numeric, strict=True) if n and not is_int)
+    if not n_int or not n_text:
+        return []
+    odd_is_int = n_int < n_text
+    usual = f"the other {n_text} labels are text" if odd_is_int else f"the other {n_int} labels are integers"
+    return [
+        f"{path}, row {line}: label '{row['label']}' for slide '{row['slide_id']}' is "
+        f"{'an integer' if odd_is_int else 'not an integer'} but {usual}"
+        for (line, row), name, is_int in zip(kept, names, numeric, strict=True)
+        if name and is_int == odd_is_int
+    ]
 
 
 def _read_rows(path: Path, problems: list[str]) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
@@ -179,6 +198,7 @@ def load_manifest(
 
     names = [canonical_label(row["label"]) for _, row in kept]
     if classes is None:
+        problems.extend(_mixed_label_problems(path, kept, names))
         order = class_order([n for n in names if n])
     else:
         order = [canonical_label(str(c)) for c in classes]

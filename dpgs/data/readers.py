@@ -4,8 +4,9 @@
   ``torch.load`` that maps the tensor without reading its data (legacy non-zip ``.pt`` files are
   loaded in full).
 * :func:`read_bag` returns the features at their stored dtype (float16 stays float16) and coords.
-* :func:`iter_feature_chunks` yields row blocks of at most ``chunk_bytes`` so that whole-file checks
-  (NaN/inf) never hold more than one block in memory.
+* :func:`iter_feature_chunks` yields blocks of at most ``chunk_bytes`` (rows, or pieces of one row when
+  a row is wider than that) so that whole-file checks (NaN/inf) never hold more than one block in
+  memory, whatever dimension the file declares.
 
 ``.pt`` files are always loaded with ``weights_only=True``; a file that is not a plain tensor fails.
 """
@@ -119,21 +120,35 @@ def read_bag(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None]:
     return _load_pt(path, mmap=False), None
 
 
+def feature_blocks(shape: tuple[int, int], itemsize: int, chunk_bytes: int) -> Iterator[tuple[slice, slice]]:
+    """(rows, columns) slices covering an [N, D] array in blocks of at most ``chunk_bytes`` (at least one
+    element): whole rows while a row fits, else one row at a time in column pieces."""
+    n, d = shape
+    per_block = max(1, chunk_bytes // max(1, itemsize))
+    if d <= per_block:
+        rows = per_block // max(1, d)
+        for start in range(0, n, rows):
+            yield slice(start, start + rows), slice(None)
+        return
+    for row in range(n):
+        for start in range(0, d, per_block):
+            yield slice(row, row + 1), slice(start, start + per_block)
+
+
 def iter_feature_chunks(path: str | Path, chunk_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
-    """The features of a bag in row blocks of at most ``chunk_bytes`` (at least one row each)."""
+    """The features of a bag in blocks of at most ``chunk_bytes`` (see :func:`feature_blocks`)."""
     path = Path(path)
     if _is_h5(path):
         with _open_h5(path) as fh:
             ds = _h5_features(fh, path)
-            rows = max(1, chunk_bytes // max(1, ds.shape[1] * ds.dtype.itemsize))
-            for start in range(0, ds.shape[0], rows):
+            for rows, cols in feature_blocks(ds.shape, ds.dtype.itemsize, chunk_bytes):
                 try:
-                    yield ds[start : start + rows]
+                    yield ds[rows, cols]
                 except OSError as err:
-                    raise BagReadError(f"{path}: cannot read rows {start}..{start + rows} ({err})") from err
+                    raise BagReadError(f"{path}: cannot read rows {rows.start}..{rows.stop} ({err})") from err
         return
-    t = _load_pt(path, mmap=True)
-    rows = max(1, chunk_bytes // max(1, t.shape[1] * t.element_size()))
-    for start in range(0, t.shape[0], rows):
-        block = t[start : start + rows]
+    t = _load_pt(path, mmap=True)  # blocks are views of the mapped file; bfloat16 ones become float32 copies
+    itemsize = 4 if t.dtype == torch.bfloat16 else t.element_size()
+    for rows, cols in feature_blocks(tuple(t.shape), itemsize, chunk_bytes):
+        block = t[rows, cols]
         yield (block.float() if block.dtype == torch.bfloat16 else block).numpy()

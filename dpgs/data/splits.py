@@ -11,7 +11,12 @@ Sources:
   never divided between train, val and test. The validation part is carved out of each fold's
   training part the same way: the first fold of a ``StratifiedGroupKFold`` with
   ``round(1 / val_fraction)`` folds (so it holds about ``1 / round(1 / val_fraction)`` of the training
-  cases). ``val_fraction = 0`` leaves val empty. A fixed seed gives identical splits.
+  cases). ``val_fraction = 0`` leaves val empty. A fixed seed gives identical splits. Every class needs
+  at least K cases (one per test fold), and at least ``round(1 / val_fraction)`` training cases in every
+  fold for the validation part.
+
+:func:`split_problems` checks a split of any source before training: a case (patient) in two parts, or a
+class without a training slide, is reported.
 """
 
 from __future__ import annotations
@@ -126,6 +131,41 @@ def clam_splits(manifest: Manifest, path: str | Path) -> list[Split]:
     return splits
 
 
+def split_problems(manifest: Manifest, split: Split) -> list[str]:
+    """What makes ``split`` unfit for training: a case whose slides are in two parts (the case would be
+    both trained and tested on), a class with no training slide."""
+    problems = []
+    parts_of_case: dict[str, dict[str, list[int]]] = {}
+    for part, indices in split.parts().items():
+        for i in indices:
+            record = manifest.records[i]
+            parts_of_case.setdefault(record.case_id, {}).setdefault(part, []).append(record.row)
+    for case, parts in parts_of_case.items():
+        if len(parts) > 1:
+            where = " and ".join(
+                f"{part} (row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows))})"
+                for part, rows in parts.items()
+            )
+            problems.append(
+                f"{manifest.source}, split '{split.name}': case '{case}' has slides in {where}; the "
+                "slides of one case must all be in one part"
+            )
+    trained = {manifest.records[i].label_name for i in split.train}
+    present = {r.label_name for r in manifest.records}
+    for name in (c for c in manifest.classes if c in present):
+        if name not in trained:
+            problems.append(f"{manifest.source}, split '{split.name}': class '{name}' has no slide in train")
+    return problems
+
+
+def _cases_per_class(manifest: Manifest, positions) -> dict[str, int]:
+    cases: dict[str, set[str]] = {}
+    for i in positions:
+        record = manifest.records[i]
+        cases.setdefault(record.label_name, set()).add(record.case_id)
+    return {name: len(found) for name, found in cases.items()}
+
+
 def _group_kfold(labels: np.ndarray, groups: np.ndarray, k: int, seed: int):
     """(train, test) position arrays of a shuffled StratifiedGroupKFold."""
     cv = StratifiedGroupKFold(n_splits=k, shuffle=True, random_state=seed)
@@ -143,6 +183,13 @@ def kfold_splits(manifest: Manifest, k: int, val_fraction: float = 0.2, seed: in
     n_cases = len(set(groups.tolist()))
     if n_cases < k:
         raise DataValidationError([f"{manifest.source}: {k} folds need at least {k} cases, found {n_cases}"])
+    few = {name: n for name, n in _cases_per_class(manifest, range(len(manifest.records))).items() if n < k}
+    if few:
+        raise DataValidationError([
+            f"{manifest.source}: class '{name}' has {n} case(s), fewer than the {k} folds of data.folds={k} "
+            "(every test fold needs one); lower data.folds or add slides of that class"
+            for name, n in few.items()
+        ])
     n_val = max(2, round(1.0 / val_fraction)) if val_fraction > 0 else 0
     splits = []
     for fold, (train_pos, test_pos) in enumerate(_group_kfold(labels, groups, k, seed)):
@@ -156,6 +203,14 @@ def kfold_splits(manifest: Manifest, k: int, val_fraction: float = 0.2, seed: in
                         f"val_fraction={val_fraction}"
                     ]
                 )
+            few = {name: n for name, n in _cases_per_class(manifest, train_pos).items() if n < n_val}
+            if few:
+                raise DataValidationError([
+                    f"{manifest.source}: fold {fold}: class '{name}' has {n} training case(s), fewer than "
+                    f"the {n_val} parts that data.val_fraction={val_fraction} divides them into (the "
+                    "validation part needs one); raise data.val_fraction, lower data.folds or add slides"
+                    for name, n in few.items()
+                ])
             inner_train, inner_val = _group_kfold(labels[train_pos], groups[train_pos], n_val, seed + fold)[0]
             val_pos, train_pos = train_pos[inner_val], train_pos[inner_train]
         splits.append(

@@ -2,8 +2,11 @@
 
 Checked per slide: the feature file exists and is readable, holds a 2-D floating-point ``features``
 array with at least one instance, ``coords`` (when present) is [N, 2], and (with ``check_values``)
-no NaN/inf values; values are scanned in row blocks of ``chunk_bytes`` so memory stays bounded.
-Across slides: every bag has the same feature dim (the most common dim is taken as the expected one).
+no NaN/inf values and, for float64 files, no value beyond the float32 range (training reads features as
+float32, where such values become inf). Across slides: every bag has the same feature dim (the most
+common dim is taken as the expected one). Values are scanned only in bags whose metadata is sound and
+whose dim is the expected one, in blocks of at most ``chunk_bytes`` (a row wider than that is read in
+column blocks), so memory stays bounded whatever dimension a file declares.
 The manifest's own problems (columns, duplicates, unknown labels, split values) are included.
 """
 
@@ -24,16 +27,37 @@ def _where(record: SlideRecord) -> str:
     return f"slide '{record.slide_id}' (row {record.row}, {record.path})"
 
 
-def _non_finite(record: SlideRecord, chunk_bytes: int) -> int:
-    count = 0
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _bad_values(record: SlideRecord, chunk_bytes: int) -> tuple[int, int]:
+    """(NaN/inf values, finite values beyond the float32 range) of a bag's features."""
+    non_finite = too_large = 0
     for block in iter_feature_chunks(record.path, chunk_bytes):
-        count += int(block.size - np.count_nonzero(np.isfinite(block)))
-    return count
+        finite = np.isfinite(block)
+        non_finite += int(block.size - np.count_nonzero(finite))
+        if block.dtype == np.float64:
+            too_large += int(np.count_nonzero(np.abs(block[finite]) > FLOAT32_MAX))
+    return non_finite, too_large
 
 
-def _check_record(
-    record: SlideRecord, check_values: bool, chunk_bytes: int
-) -> tuple[BagInfo | None, list[str]]:
+def _check_values(record: SlideRecord, chunk_bytes: int) -> list[str]:
+    try:
+        non_finite, too_large = _bad_values(record, chunk_bytes)
+    except BagReadError as err:
+        return [f"slide '{record.slide_id}' (row {record.row}): unreadable or corrupt file: {err}"]
+    problems = []
+    if non_finite:
+        problems.append(f"{_where(record)}: {non_finite} NaN/inf feature values")
+    if too_large:
+        problems.append(
+            f"{_where(record)}: {too_large} float64 feature values beyond the float32 range "
+            f"(|x| > {FLOAT32_MAX:.4g}); they would become inf in training"
+        )
+    return problems
+
+
+def _check_metadata(record: SlideRecord) -> tuple[BagInfo | None, list[str]]:
     where = _where(record)
     if not record.path.exists():
         return None, [f"{where}: feature file not found"]
@@ -48,13 +72,6 @@ def _check_record(
         problems.append(f"{where}: empty bag (0 instances)")
     if info.coords_shape is not None and info.coords_shape != (info.length, 2):
         problems.append(f"{where}: coords have shape {info.coords_shape}, expected ({info.length}, 2)")
-    if check_values and not problems:
-        try:
-            bad = _non_finite(record, chunk_bytes)
-        except BagReadError as err:
-            return info, [f"slide '{record.slide_id}' (row {record.row}): unreadable or corrupt file: {err}"]
-        if bad:
-            problems.append(f"{where}: {bad} NaN/inf feature values")
     return info, problems
 
 
@@ -62,19 +79,26 @@ def check_inputs(
     manifest: Manifest, check_values: bool = True, chunk_bytes: int = 64 << 20
 ) -> tuple[dict[str, BagInfo], list[str]]:
     """(bag metadata by slide_id for every readable bag, every problem found); raises nothing."""
-    problems = list(manifest.problems)
     infos: dict[str, BagInfo] = {}
+    found: dict[str, list[str]] = {}
     for record in manifest.records:
-        info, found = _check_record(record, check_values, chunk_bytes)
-        problems.extend(found)
+        info, found[record.slide_id] = _check_metadata(record)
         if info is not None:
             infos[record.slide_id] = info
+    dims = Counter(info.dim for info in infos.values())
+    expected, n_expected = dims.most_common(1)[0] if dims else (None, 0)
+    if check_values:
+        for record in manifest.records:
+            info = infos.get(record.slide_id)
+            if info is not None and not found[record.slide_id] and info.dim == expected:
+                found[record.slide_id] += _check_values(record, chunk_bytes)
+    problems = list(manifest.problems)
+    for record in manifest.records:
+        problems.extend(found[record.slide_id])
     missing = sum(not r.path.exists() for r in manifest.records)
     if len(manifest.records) > 1 and missing == len(manifest.records) and manifest.layout is not None:
         problems.append(f"none of the {missing} feature files exists in the {manifest.layout.describe()}")
-    dims = Counter(info.dim for info in infos.values())
     if len(dims) > 1:
-        expected, n_expected = dims.most_common(1)[0]
         for record in manifest.records:
             info = infos.get(record.slide_id)
             if info is not None and info.dim != expected:

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dpgs.config import config_to_dict
 from dpgs.distributed.assignment import assign_lpt, imbalance
 from dpgs.distributed.codec import keep_ratio_at
@@ -25,6 +23,7 @@ from dpgs.distributed.messages import ChunkPlan, FoldStart, StepPlan
 from dpgs.distributed.pool import ChunkReports, MasterFailure, WorkerFailure, WorkerPool
 from dpgs.distributed.resume import CHECKPOINT_NAME
 from dpgs.train.engine import FoldSetup
+from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
 
 
@@ -93,8 +92,11 @@ class DpgsEngine:
         self.pool = pool
         self.config = setup.config
         self.cfg = setup.config.dpgs
-        self.model = setup.model  # driver copy, loaded with the master's weights for evaluation
+        self.model = setup.model  # driver copy, for evaluation of a shard whose worker failed
+        self.device = setup.device
         self.lengths = setup.dataset.lengths()
+        self.eval_dataset = setup.eval_dataset
+        self.eval_lengths = setup.eval_dataset.lengths()  # every instance (eval datasets do not sample)
         self.out_dir = Path(setup.output_dir)
         self.hooks = EngineHooks()
         self.global_step = 0  # the master's version
@@ -202,12 +204,18 @@ class DpgsEngine:
         self.restarts_before = self.pool.restarts - int(driver.get("worker_restarts", 0))
         return driver
 
-    def eval_model(self) -> torch.nn.Module:
-        self.model.load_state_dict(self.pool.model_state())
-        return self.model
+    def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
+        """Scored on the workers, shards balanced by the bags' instance counts (module docstring)."""
+        state = self.pool.model_state() if state is None else state
+
+        def on_driver(shard: list[int]) -> Predictions:
+            self.model.load_state_dict(state)
+            return score_bags(self.model, self.eval_dataset, shard, protocol, self.device)
+
+        return self.pool.evaluate(state, list(indices), protocol, self.eval_lengths, on_driver)
 
     def state_dict(self) -> dict:
-        return self.eval_model().state_dict()
+        return self.pool.model_state()
 
     def final_metrics(self) -> dict:
         return {"worker_restarts": float(self.restarts)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +28,14 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from dpgs.config import Config
+from dpgs.distributed.assignment import assign_lpt
 from dpgs.distributed.channel import JOIN_TIMEOUT_S, Rendezvous
 from dpgs.distributed.mailbox import Mailbox
 from dpgs.distributed.messages import MASTER_RANK, ChunkPlan, FoldStart, MasterStep, WorkerStep
 from dpgs.distributed.runtime import connect, release, release_named, reserve, worker_resources
 from dpgs.errors import RunFailure
 from dpgs.master import Master
+from dpgs.train.evaluate import EvalProtocol, Predictions
 from dpgs.workers import BagWorker, GroupWorker
 
 
@@ -258,6 +261,29 @@ class WorkerPool:
         if len(residuals) == len(self.workers):
             self._get([w.load_encoder_state.remote(s) for w, s in zip(self.workers, residuals, strict=True)])
         return self.resync()
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, state: dict, indices: list[int], protocol: EvalProtocol, lengths: list[int],
+                 fallback: Callable[[list[int]], Predictions]) -> Predictions:
+        """Predictions of the bags ``indices`` with the weights ``state``, sharded over the workers by
+        ``lengths`` (instances per bag, LPT) and merged in the order of ``indices``. A shard whose worker
+        fails is scored by ``fallback`` (on the driver; the pool notices the failure at its next chunk)."""
+        state_ref = ray.put(state)
+        plan = assign_lpt([lengths[i] for i in indices], len(self.workers))
+        shards = [[indices[p] for p in positions] for positions in plan]
+        refs = [w.evaluate.remote(state_ref, s, protocol) for w, s in zip(self.workers, shards, strict=True)]
+        scored = []
+        for ref in refs:
+            try:
+                scored.append(self._get(ref))
+            except (RayActorError, GetTimeoutError):
+                scored.append(None)
+        missing = [shard for shard, preds in zip(shards, scored, strict=True) if preds is None]
+        if missing:
+            print(f"[dpgs] {len(missing)} evaluation shard(s) lost with their worker: scoring them here",
+                  flush=True)
+        shards = [p for p in scored if p is not None] + [fallback(shard) for shard in missing]
+        return Predictions.merge(shards, indices)
 
     # ---------------------------------------------------------------- running steps
     def run(self, plan: ChunkPlan) -> ChunkReports:

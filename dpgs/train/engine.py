@@ -12,6 +12,7 @@ the end of an epoch is rescaled to the mean over the batches it holds and applie
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from tqdm.auto import tqdm
 from dpgs.config.schema import Config, TrainConfig
 from dpgs.data import Prefetcher
 from dpgs.modeling import input_to
+from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import build_optimizer, clip_coefficient, grad_norm, learning_rate, optimizer_step
 from dpgs.train.steps import batch_loss, check_mode_supported
 
@@ -40,6 +42,11 @@ class FoldSetup:
     train_indices: list[int]
     device: torch.device
     output_dir: Path
+    eval_dataset: Any = None  # what validation and testing read (None: ``dataset``)
+
+    def __post_init__(self) -> None:
+        if self.eval_dataset is None:
+            self.eval_dataset = self.dataset
 
 
 class Engine(Protocol):
@@ -49,8 +56,9 @@ class Engine(Protocol):
         """Train on the epoch's batches of bag indices; returns at least ``train_loss``, ``train_seconds``
         and ``optimizer_steps`` (MLflow metrics of the epoch)."""
 
-    def eval_model(self) -> torch.nn.Module:
-        """The model with the current weights, for evaluation on the driver."""
+    def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
+        """Predictions of the evaluation bags ``indices`` under ``protocol``, with the current weights or
+        ``state`` (the driver merges shards scored wherever the engine runs; see dpgs.train.evaluate)."""
 
     def state_dict(self) -> dict:
         """The current weights (what ``last.pt`` and ``best.pt`` hold)."""
@@ -84,7 +92,7 @@ class LocalSession:
     def engine(self, setup: FoldSetup) -> LocalEngine:
         cfg = setup.config
         return LocalEngine(setup.model, cfg.train, setup.device, setup.class_weights, cfg.seed, setup.dataset,
-                           cfg.data.prefetch)
+                           cfg.data.prefetch, setup.eval_dataset)
 
     def close(self) -> None:
         """Nothing to release."""
@@ -102,6 +110,7 @@ class LocalEngine:
         seed: int,
         dataset,
         prefetch: int = 2,
+        eval_dataset=None,
     ):
         check_mode_supported(model, cfg.mode)
         self.model = model.to(device)
@@ -112,6 +121,7 @@ class LocalEngine:
         self.optimizer = build_optimizer(self.params, cfg)
         self.sample_gen = torch.Generator().manual_seed(seed)
         self.dataset = dataset
+        self.eval_dataset = dataset if eval_dataset is None else eval_dataset
         self.prefetch = prefetch
         self.pending = 0  # batches back-propagated since the last optimizer step
         self.steps = 0
@@ -173,8 +183,13 @@ class LocalEngine:
             "optimizer_steps": float(self.steps - steps_before),
         }
 
-    def eval_model(self) -> torch.nn.Module:
-        return self.model
+    def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
+        """On this process: one shard holding every bag (``state``: scored on a copy of the model)."""
+        model = self.model
+        if state is not None:
+            model = copy.deepcopy(self.model)
+            model.load_state_dict(state)
+        return score_bags(model, self.eval_dataset, indices, protocol, self.device)
 
     def state_dict(self) -> dict:
         return self.model.state_dict()

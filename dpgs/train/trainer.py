@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,16 +24,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpgs.config import Config, config_to_dict, flatten, save_config
-from dpgs.data import BagDataset, Prefetcher, Split, load_experiment_data
+from dpgs.config import Config, ConfigError, config_to_dict, flatten, save_config
+from dpgs.data import BagDataset, ExperimentData, Split, load_experiment_data
+from dpgs.interrupts import keep_signal_handlers
 from dpgs.metrics import METRIC_NAMES
 from dpgs.modeling import ModelSpec, initial_model, resolve_device
+from dpgs.outputs import (
+    locked_output_dir,
+    remove_temporaries,
+    save_torch_atomically,
+    write_atomically,
+    write_text_atomically,
+)
 from dpgs.plots import plot_training_curves
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
 from dpgs.train.engine import Engine, FoldSetup, Session
-from dpgs.train.evaluate import predict, sampled_protocol
+from dpgs.train.evaluate import EvalPlan, validation_protocol
 from dpgs.train.optim import class_weights_for
+from dpgs.train.resume import check_resume, check_resume_classes
+from dpgs.train.steps import check_mode_supported
 
 
 @dataclass
@@ -67,10 +78,14 @@ def is_improvement(value: float, best: float | None, mode: str) -> bool:
     return value > best if mode == "max" else value < best
 
 
-def iterate_bags(dataset: BagDataset, indices: list[int], depth: int):
-    """Bags of ``indices`` one by one, loaded ahead in a background thread."""
-    for batch in Prefetcher(dataset, [[i] for i in indices], depth=depth):
-        yield batch[0]
+def close_after_error(engine: Engine) -> None:
+    """Release ``engine`` while an error or interrupt ends the fold; a failure to release (a dead cluster)
+    is printed, so that the error that ended the run is the one reported."""
+    try:
+        engine.close()
+    except Exception as err:
+        print(f"[dpgs] warning: could not release the engine cleanly: {type(err).__name__}: {err}",
+              file=sys.stderr)
 
 
 class FoldTrainer:
@@ -87,25 +102,19 @@ class FoldTrainer:
         self.device = resolve_device(config.train.device)
         self.num_classes = len(classes)
 
-    def _evaluate(self, model, indices: list[int], prefix: str) -> dict[str, float]:
-        preds = predict(
-            model,
-            iterate_bags(self.eval_dataset, indices, self.config.data.prefetch),
-            self.device,
-            self.num_classes,
-        )
-        return preds.metrics(prefix)
-
     def _write_history(self, history: list[dict]) -> Path:
-        path = self.out_dir / "metrics.csv"
         keys = list(dict.fromkeys(k for row in history for k in row))
-        with path.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(history)
-        return path
 
-    def run(self, tracker: RunTracker, session: Session) -> FoldResult:
+        def write(tmp: Path) -> None:
+            with tmp.open("w", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=keys)
+                writer.writeheader()
+                writer.writerows(history)
+
+        return write_atomically(self.out_dir / "metrics.csv", write)
+
+    def run(self, tracker: RunTracker, session: Session, checkpoint: dict | None = None) -> FoldResult:
+        """Train and test the split; ``checkpoint`` (already checked, see dpgs.train.resume) is continued."""
         cfg = self.config
         seed_everything(cfg.seed, cfg.train.deterministic)
         train_idx, val_idx, test_idx = self.split.train, self.split.val, self.split.test
@@ -127,17 +136,20 @@ class FoldTrainer:
                 "n_trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             }
         )
-        (self.out_dir / "run.json").write_text(json.dumps(
+        write_text_atomically(self.out_dir / "run.json", json.dumps(
             {"run_id": tracker.run_id, "experiment": cfg.experiment, "tracking_uri": cfg.tracking.uri}
         ))
-        engine: Engine = session.engine(FoldSetup(cfg, spec, model, class_weights, self.dataset, train_idx,
-                                                  self.device, self.out_dir))
+        setup = FoldSetup(cfg, spec, model, class_weights, self.dataset, train_idx, self.device, self.out_dir,
+                          self.eval_dataset)
+        with keep_signal_handlers():  # an engine that starts Ray gets Ray's SIGTERM handler: keep ours
+            engine: Engine = session.engine(setup)
         monitor, mode = cfg.train.early_stopping.monitor, cfg.train.early_stopping.mode
+        val_protocol = validation_protocol(cfg.eval, cfg.seed)
         history: list[dict] = []
         best_value, best_epoch, best_elapsed, stale = None, 0, 0.0, 0
         first_epoch, elapsed_before = 1, 0.0
-        if cfg.dpgs.resume is not None:
-            driver = engine.restore(torch.load(cfg.dpgs.resume, weights_only=True))
+        if checkpoint is not None:
+            driver = engine.restore(checkpoint)
             history, first_epoch = list(driver["history"]), int(driver["epoch"])
             elapsed_before = history[-1]["elapsed_seconds"] if history else 0.0
             for row in history:
@@ -157,20 +169,20 @@ class FoldTrainer:
                 epoch_start = time.perf_counter()
                 batches = epoch_batches(train_idx, batch_size, cfg.seed, epoch)
                 stats = engine.run_epoch(batches, epoch, history)
-                model_now = engine.eval_model()
                 row = {"epoch": epoch, **stats}
                 if val_idx:
-                    row.update(self._evaluate(model_now, val_idx, "val_"))
+                    row.update(engine.evaluate(val_idx, val_protocol).metrics("val_"))
                 row["epoch_seconds"] = time.perf_counter() - epoch_start
                 row["elapsed_seconds"] = time.perf_counter() - start
                 history.append(row)
-                torch.save(engine.state_dict(), self.out_dir / "last.pt")
+                weights = engine.state_dict()
+                save_torch_atomically(weights, self.out_dir / "last.pt")
                 value = row.get(monitor)
                 improved = is_improvement(value, best_value, mode) if val_idx else True
                 if improved:
                     best_value = value if val_idx else None
                     best_epoch, best_elapsed, stale = epoch, row["elapsed_seconds"], 0
-                    torch.save(engine.state_dict(), self.out_dir / "best.pt")
+                    save_torch_atomically(weights, self.out_dir / "best.pt")
                 else:
                     stale += 1
                 tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
@@ -184,29 +196,20 @@ class FoldTrainer:
                     print(f"[{self.split.name}] early stopping: no {monitor} improvement for {stale} epochs")
                     break
             if not (self.out_dir / "best.pt").exists():
-                torch.save(engine.state_dict(), self.out_dir / "best.pt")
+                save_torch_atomically(engine.state_dict(), self.out_dir / "best.pt")
                 best_epoch, best_elapsed = history[-1]["epoch"], history[-1]["elapsed_seconds"]
-            eval_model = engine.eval_model()
-            eval_model.load_state_dict(torch.load(self.out_dir / "best.pt", weights_only=True))
-            test = self._evaluate(eval_model, test_idx, "test_") if test_idx else {}
-            if test_idx and cfg.eval.sample_k:
-                test.update(
-                    sampled_protocol(
-                        eval_model,
-                        lambda: iterate_bags(self.eval_dataset, test_idx, cfg.data.prefetch),
-                        self.device,
-                        self.num_classes,
-                        cfg.eval.sample_k,
-                        cfg.eval.repeats,
-                        cfg.seed,
-                        "test_",
-                    )
-                )
+            best = torch.load(self.out_dir / "best.pt", weights_only=True)
+            plan = EvalPlan.from_config(cfg.eval, cfg.seed)
+            test = {}
+            if test_idx:
+                test = plan.metrics([engine.evaluate(test_idx, p, best) for p in plan.protocols])
             test.update({"best_epoch": best_epoch, "time_to_best_seconds": best_elapsed})
             test.update(engine.final_metrics())
             tracker.log_metrics(test)
-        finally:
-            engine.close()
+        except BaseException:
+            close_after_error(engine)
+            raise
+        engine.close()
         curves = plot_training_curves(history, self.out_dir / "training_curves.png", title=self.split.name)
         for name in ("config.yaml", "classes.json", "metrics.csv", "best.pt"):
             tracker.log_artifact(self.out_dir / name)
@@ -227,35 +230,72 @@ def cv_summary(folds: list[FoldResult]) -> dict[str, float]:
 
 
 def prepare_output_dir(config: Config, out_dir: Path, classes: list[str]) -> None:
-    """Create ``out_dir`` with the run's config; outputs of an earlier run are removed unless resuming."""
+    """Make ``out_dir`` ready for one split (the caller holds the lock of ``train.output_dir``).
+
+    Temporary files of a killed writer are removed. A new run removes an earlier run's outputs and writes
+    its ``config.yaml`` and ``classes.json``; a resumed run keeps those of the run it continues (its config
+    was checked against them), writing them only when they are missing.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    if config.dpgs.resume is None:
+    removed = remove_temporaries(out_dir)
+    if removed:
+        print(f"[dpgs] removed {len(removed)} temporary file(s) left by an interrupted write in {out_dir}")
+    resuming = config.dpgs.resume is not None
+    if not resuming:
         for stale in ("best.pt", "last.pt", "metrics.csv", "checkpoint.pt"):
             (out_dir / stale).unlink(missing_ok=True)
-    save_config(config, out_dir / "config.yaml")
-    (out_dir / "classes.json").write_text(json.dumps(classes))
+    if not resuming or not (out_dir / "config.yaml").is_file():
+        save_config(config, out_dir / "config.yaml")
+    if not resuming or not (out_dir / "classes.json").is_file():
+        write_text_atomically(out_dir / "classes.json", json.dumps(classes))
+
+
+def check_model(config: Config, data: ExperimentData) -> None:
+    """Build the model once, so that a bad ``model.name``, ``model.params``, encoder weights file or a mode
+    the head cannot run is refused (ConfigError) before the output directory or the MLflow run exist."""
+    in_dim = None if config.model.encoder else data.dataset.feature_dim
+    try:
+        model = initial_model(ModelSpec(config.model, in_dim, len(data.manifest.classes)))
+        check_mode_supported(model, config.train.mode)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None  # the messages name the key (model.name, model.params, ...)
 
 
 def run_training(config: Config, session: Session) -> TrainingResult:
-    """Validate inputs, then train every split with ``session``'s engines; returns the (parent) run id and
-    the results. The caller owns ``session`` (and closes it)."""
-    data = load_experiment_data(config.data, seed=config.seed)  # raises before anything is written
+    """Check everything, then train every split with ``session``'s engines; returns the (parent) run id and
+    the results. The caller owns ``session`` (and closes it).
+
+    Before anything is written or started: a resume is checked against its checkpoint
+    (:mod:`dpgs.train.resume`), every input is validated and the model is built once. Then
+    ``train.output_dir`` is locked for the whole run (:mod:`dpgs.outputs`). A run that does not finish is
+    ended in MLflow as KILLED (interrupted) or FAILED (:meth:`RunTracker.fail`); its checkpoints stay.
+    """
+    checkpoint = check_resume(config)
+    data = load_experiment_data(config.data, seed=config.seed)
+    check_model(config, data)
+    if checkpoint is not None:
+        check_resume_classes(Path(config.train.output_dir), data.manifest.classes)
+    with locked_output_dir(config.train.output_dir) as root:
+        return _train_splits(config, session, data, root, checkpoint)
+
+
+def _train_splits(config: Config, session: Session, data: ExperimentData, root: Path,
+                  checkpoint: dict | None) -> TrainingResult:
     tags = {"dpgs.mode": config.train.mode, "dpgs.model": config.model.name}
     params = flatten(config_to_dict(config))
     params["classes"] = json.dumps(data.manifest.classes)
     uri, experiment = config.tracking.uri, config.experiment
-    root = Path(config.train.output_dir)
     start = time.perf_counter()
     if len(data.splits) == 1:
-        prepare_output_dir(config, root, data.manifest.classes)
         tracker = RunTracker.start(uri, experiment, config.tracking.run_name, tags)
-        tracker.log_params(params)
         try:
+            tracker.log_params(params)
+            prepare_output_dir(config, root, data.manifest.classes)
             fold = FoldTrainer(
                 config, data.dataset, data.manifest.classes, data.splits[0], root, data.eval_dataset
-            ).run(tracker, session)
-        except BaseException:
-            tracker.end("FAILED")
+            ).run(tracker, session, checkpoint)
+        except BaseException as err:
+            tracker.fail(err)
             raise
         tracker.log_metrics({"total_seconds": time.perf_counter() - start})
         tracker.end()
@@ -263,28 +303,28 @@ def run_training(config: Config, session: Session) -> TrainingResult:
     parent = RunTracker.start(
         uri, experiment, config.tracking.run_name, {**tags, "dpgs.kfold_parent": "true"}
     )
-    parent.log_params(params)
     folds = []
     try:
+        parent.log_params(params)
         for split in data.splits:
             out_dir = root / split.name
-            prepare_output_dir(config, out_dir, data.manifest.classes)
             child = RunTracker.start(
                 uri, experiment, split.name, {**tags, "dpgs.fold": split.name}, parent=parent
             )
-            child.log_params(params)
             try:
+                child.log_params(params)
+                prepare_output_dir(config, out_dir, data.manifest.classes)
                 folds.append(
                     FoldTrainer(
                         config, data.dataset, data.manifest.classes, split, out_dir, data.eval_dataset
                     ).run(child, session)
                 )
-            except BaseException:
-                child.end("FAILED")
+            except BaseException as err:
+                child.fail(err)
                 raise
             child.end()
-    except BaseException:
-        parent.end("FAILED")
+    except BaseException as err:
+        parent.fail(err)
         raise
     summary = cv_summary(folds)
     summary["total_seconds"] = time.perf_counter() - start

@@ -24,7 +24,6 @@ baseline is reproducible.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 
 from dpgs.biglayers import BigResNet
+from dpgs.outputs import write_atomically
 from dpgs.wsi.augment import imagenet_normalize, to_float_tiles
 from dpgs.wsi.tiles import TileLayout, TileReader, locate_coords
 from dpgs.wsi.tiling import find_slides, slide_id_of
@@ -170,10 +170,6 @@ def is_finished(path: Path, settings: ExtractSettings, layout: TileLayout) -> bo
     return found == settings.key(layout) and np.array_equal(coords, layout.coords)
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def write_features(path: Path, encoder: torch.nn.Module, reader: TileReader, coords_attrs: dict,
                    settings: ExtractSettings, slide_id: str) -> int:
     """Embed every tile of ``reader`` into ``path`` (atomic: temporary file, then rename); returns N."""
@@ -181,8 +177,8 @@ def write_features(path: Path, encoder: torch.nn.Module, reader: TileReader, coo
 
     layout = reader.layout
     n, dim = len(layout), int(encoder.feature_dim)
-    tmp = _tmp_path(path)
-    try:
+
+    def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as fh:
             feats = fh.create_dataset("features", shape=(n, dim), dtype=np.float32)
             coords = fh.create_dataset("coords", data=layout.coords.astype(np.int64).reshape(-1, 2))
@@ -194,9 +190,8 @@ def write_features(path: Path, encoder: torch.nn.Module, reader: TileReader, coo
             fh.attrs.update(settings.key(layout))
             fh.attrs.update({"weights": settings.weights, "slide_id": slide_id,
                              "slide_path": str(reader.slide.path)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    write_atomically(path, write)
     return n
 
 

@@ -1,63 +1,57 @@
-"""Per-tile scores of a trained tile model over a whole slide, saved as h5 and drawn on the thumbnail.
+"""Per-patch scores of a trained model over a whole slide, saved as h5 and drawn on the thumbnail.
 
-Scores. The run's :class:`~dpgs.models.tilemil.TileMIL` is put in eval mode; every tile of the slide is
-read in coords order (resized to ``tile_size`` when given), ImageNet-normalised and embedded
-``batch_size`` tiles at a time under ``no_grad``; the head then gives the per-tile scores
-(``head.instance_scores``: attention weights or positive-class probabilities, depending on the head) and
-the bag's logits over all tiles at once. Eval-mode embeddings do not depend on how the tiles are
-batched, so the scores are ``model.instance_scores(tiles)`` and the probabilities
-``softmax(model(tiles))`` of the whole bag, with bounded memory.
+Two kinds of runs:
 
-Files (written under a temporary name, then renamed):
+* **Tile runs** (:func:`make_heatmap`): the run's :class:`~dpgs.models.tilemil.TileMIL` is put in eval
+  mode; every tile of the slide is read in coords order (resized to ``tile_size`` when given),
+  ImageNet-normalised and embedded ``batch_size`` tiles at a time under ``no_grad``. Eval-mode
+  embeddings do not depend on how the tiles are batched, so the scores are
+  ``model.instance_scores(tiles)`` and the probabilities ``softmax(model(tiles))`` of the whole bag,
+  with bounded memory.
+* **Feature-bag runs** (:func:`make_feature_heatmap`): the head scores the bag's features, read from a
+  CLAM / TRIDENT / ``dpgs extract`` h5 file that carries the patches' ``coords``. The picture is drawn on
+  the slide's thumbnail when the slide is given, else on a blank (white) canvas spanning the patches
+  from the level-0 origin. A patch's side in level-0 pixels (:func:`footprint_level0`) is, in this
+  order: the one given, the coords' ``patch_size_level0`` attribute, ``patch_size x downsample``
+  (CLAM's attributes), ``patch_size x`` the slide's downsample at ``patch_level``, ``patch_size`` at
+  level 0, else the grid step of the coords (the smallest positive gap between distinct x or y values).
 
-* ``{slide_id}_heatmap.h5``: ``coords`` int64 [N, 2] (level-0 top-lefts, the coords file's attributes),
-  ``scores`` float32 [N]; file attributes ``patch_size_level0`` (tile footprint in level-0 pixels),
-  ``patch_size``, ``patch_level``, ``downsample`` (when the coords file has them), ``classes`` (JSON),
-  ``probabilities`` [C], ``predicted_class``, ``slide_id``, ``slide_path``, ``model``, ``encoder``,
-  ``run_dir``, ``run_id`` ("" when unknown), ``score_min``, ``score_max``, ``cmap``;
-* ``{slide_id}_heatmap.png``: the slide thumbnail (same size) with each tile's footprint filled with
-  its score's colour, alpha-blended; colours map ``[score_min, score_max]`` of the slide linearly onto
-  the colormap, and a colour bar labelled with both ends sits in the top-right corner.
+In both cases the per-patch scores are ``head.instance_scores(features)`` (attention weights or
+positive-class probabilities, depending on the head) and the bag's probabilities
+``softmax(head(features))`` over all patches at once.
+
+Files (written atomically):
+
+* ``{slide_id}_heatmap.h5``: ``coords`` int64 [N, 2] (level-0 top-lefts, with the coords' attributes),
+  ``scores`` float32 [N]; file attributes ``patch_size_level0`` (patch footprint in level-0 pixels),
+  ``patch_size``, ``patch_level``, ``downsample`` (when the coords have them), ``classes`` (JSON),
+  ``probabilities`` [C], ``predicted_class``, ``slide_id``, ``slide_path`` ("" without a slide),
+  ``canvas`` (``thumbnail`` or ``blank``), ``model``, ``encoder``, ``run_dir``, ``run_id`` ("" when
+  unknown), ``score_min``, ``score_max``, ``cmap``; tile runs add ``tile_size``, feature-bag runs
+  ``features_path``;
+* ``{slide_id}_heatmap.png``: the canvas with each patch's footprint filled with its score's colour,
+  alpha-blended; colours map ``[score_min, score_max]`` of the slide linearly onto the colormap, and a
+  colour bar labelled with both ends sits in the top-right corner.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dpgs.outputs import write_atomically
 from dpgs.wsi.augment import imagenet_normalize, to_float_tiles
 from dpgs.wsi.features import read_batches
-from dpgs.wsi.runref import RunError
+from dpgs.wsi.reader import open_slide
 from dpgs.wsi.tiles import TileLayout, TileReader
 from dpgs.wsi.tiling import read_coords_h5, slide_id_of
 
 COPIED_ATTRS = ("patch_size", "patch_level", "downsample")
-
-
-def load_tile_model(run_dir: Path, config, classes: list[str]) -> torch.nn.Module:
-    """The run's TileMIL with ``best.pt`` loaded, in eval mode on the CPU; RunError naming the file."""
-    from dpgs.modeling import ModelSpec
-
-    if config.model.encoder is None:
-        raise RunError(f"{run_dir}: the run was trained on feature bags (model.encoder is null); a heatmap "
-                       "needs a tile model (data.kind=tiles)")
-    model = ModelSpec(config.model, None, len(classes)).build()
-    checkpoint = run_dir / "best.pt"
-    try:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle errors, truncated files, non-tensor content
-        raise RunError(f"{checkpoint}: not a readable state_dict ({err})") from None
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, TypeError) as err:
-        first = str(err).strip().splitlines()[:3]
-        raise RunError(f"{checkpoint}: does not match the run's model ({' '.join(first)})") from None
-    return model.eval()
+BLANK = 255  # canvas colour without a slide
 
 
 @dataclass
@@ -71,29 +65,23 @@ class SlideScores:
 
 
 @torch.no_grad()
+def bag_scores(head: torch.nn.Module, feats: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(per-instance scores float32 [N], bag probabilities float64 [C]) of ``head`` on ``feats`` [N, D]."""
+    head.eval()
+    scores = head.instance_scores(feats).reshape(-1).float().cpu().numpy()
+    probs = torch.softmax(head(feats).reshape(-1).double(), dim=0).cpu().numpy()
+    return scores.astype(np.float32), probs
+
+
+@torch.no_grad()
 def score_tiles(model: torch.nn.Module, reader: TileReader, batch_size: int) -> SlideScores:
     """Per-tile scores and bag probabilities of all the reader's tiles (see module docstring)."""
     model.eval()
     feats = torch.cat([model.embed(imagenet_normalize(to_float_tiles(tiles)))
                        for tiles in read_batches(reader, batch_size)])
-    scores = model.head.instance_scores(feats).reshape(-1).float().cpu().numpy()
-    probs = torch.softmax(model.head(feats).reshape(-1).double(), dim=0).cpu().numpy()
+    scores, probs = bag_scores(model.head, feats)
     footprint = round(reader.read_size * reader.slide.level_downsamples[reader.level])
-    return SlideScores(reader.layout.coords, scores.astype(np.float32), probs, int(footprint))
-
-
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _replace_atomically(path: Path, write) -> Path:
-    tmp = _tmp_path(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return SlideScores(reader.layout.coords, scores, probs, int(footprint))
 
 
 def write_heatmap_h5(path: Path, result: SlideScores, coords_attrs: dict, meta: dict) -> Path:
@@ -112,7 +100,7 @@ def write_heatmap_h5(path: Path, result: SlideScores, coords_attrs: dict, meta: 
             fh.attrs["score_max"] = float(result.scores.max())
             fh.attrs.update(meta)
 
-    return _replace_atomically(path, write)
+    return write_atomically(path, write)
 
 
 def colormap(name: str):
@@ -181,7 +169,7 @@ def render_heatmap(thumbnail: np.ndarray, level0_dim: tuple[int, int], result: S
 
 @dataclass(frozen=True)
 class HeatmapOptions:
-    """How tiles are read and the picture drawn."""
+    """How tiles are read (tile runs) and the picture drawn."""
 
     tile_size: int | None = None
     batch_size: int = 256
@@ -201,21 +189,42 @@ class HeatmapOptions:
 
 @dataclass(frozen=True)
 class HeatmapFiles:
-    """What :func:`make_heatmap` wrote, and the scores."""
+    """What :func:`make_heatmap` or :func:`make_feature_heatmap` wrote, and the scores."""
 
     h5: Path
     png: Path
     result: SlideScores
 
 
+def _write(out_dir: Path, sid: str, result: SlideScores, coords_attrs: dict, canvas: np.ndarray,
+           level0_dim: tuple[int, int], attrs: dict, options: HeatmapOptions) -> HeatmapFiles:
+    """``{sid}_heatmap.h5`` and ``.png`` (the scores drawn on ``canvas``, which spans ``level0_dim``)."""
+    cmap = colormap(options.cmap)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    h5 = write_heatmap_h5(out_dir / f"{sid}_heatmap.h5", result, coords_attrs, attrs)
+    image = render_heatmap(canvas, level0_dim, result, cmap, options.alpha)
+    png = write_atomically(out_dir / f"{sid}_heatmap.png", lambda tmp: image.save(tmp, format="PNG"))
+    return HeatmapFiles(h5, png, result)
+
+
+def _common_attrs(sid: str, slide_path: Path | None, classes: list[str], result: SlideScores,
+                  canvas: str, options: HeatmapOptions, meta: dict | None) -> dict:
+    return {
+        "slide_id": sid, "slide_path": "" if slide_path is None else str(slide_path),
+        "classes": json.dumps(classes), "predicted_class": classes[int(np.argmax(result.probabilities))],
+        "canvas": canvas, "cmap": options.cmap, **(meta or {}),
+    }
+
+
 def make_heatmap(model: torch.nn.Module, classes: list[str], slide_path: Path, coords_path: Path,
                  out_dir: Path, options: HeatmapOptions, meta: dict | None = None) -> HeatmapFiles:
-    """Score every tile of the slide and write ``{slide_id}_heatmap.h5`` and ``.png`` into ``out_dir``.
+    """Score every tile of the slide with a tile model and write ``{slide_id}_heatmap.h5`` and ``.png``
+    into ``out_dir``.
 
     ``meta`` adds file attributes (model, encoder, run directory, run id). Unreadable slides or coords
     files raise ValueError / OSError naming the file.
     """
-    cmap = colormap(options.cmap)
+    colormap(options.cmap)  # an unknown colormap fails before the slide is read
     sid = slide_id_of(slide_path)
     layout = TileLayout.from_h5(coords_path)
     if len(layout) == 0:
@@ -226,13 +235,103 @@ def make_heatmap(model: torch.nn.Module, classes: list[str], slide_path: Path, c
         thumbnail = reader.slide.thumbnail(options.thumbnail_size)
         level0 = reader.slide.dimensions
         tile_size = reader.out_size
-    out_dir.mkdir(parents=True, exist_ok=True)
-    attrs = {
-        "slide_id": sid, "slide_path": str(slide_path), "classes": json.dumps(classes),
-        "predicted_class": classes[int(np.argmax(result.probabilities))], "tile_size": tile_size,
-        "cmap": options.cmap, **(meta or {}),
-    }
-    h5 = write_heatmap_h5(out_dir / f"{sid}_heatmap.h5", result, coords_attrs, attrs)
-    image = render_heatmap(thumbnail, level0, result, cmap, options.alpha)
-    png = _replace_atomically(out_dir / f"{sid}_heatmap.png", lambda tmp: image.save(tmp, format="PNG"))
-    return HeatmapFiles(h5, png, result)
+    attrs = _common_attrs(sid, slide_path, classes, result, "thumbnail", options, meta)
+    attrs["tile_size"] = tile_size
+    return _write(out_dir, sid, result, coords_attrs, thumbnail, level0, attrs, options)
+
+
+@dataclass(frozen=True)
+class FeatureBag:
+    """A feature file's ``features`` float32 [N, D], ``coords`` int64 [N, 2] and the coords' attributes."""
+
+    path: Path
+    features: torch.Tensor
+    coords: np.ndarray
+    coords_attrs: dict
+
+    @classmethod
+    def read(cls, path: str | Path) -> FeatureBag:
+        """ValueError naming the file when it has no features, no coords, or they do not match."""
+        import h5py
+
+        path = Path(path)
+        if path.suffix != ".h5":
+            raise ValueError(f"{path}: a heatmap needs an h5 feature file with 'coords' ({path.suffix} files "
+                             "carry no patch coordinates)")
+        try:
+            with h5py.File(path, "r") as fh:
+                missing = [k for k in ("features", "coords") if k not in fh]
+                if missing:
+                    raise ValueError(f"{path}: no {' or '.join(repr(k) for k in missing)} dataset (a heatmap "
+                                     "needs the features and the patch coordinates)")
+                features = np.asarray(fh["features"][()], dtype=np.float32)
+                coords = np.asarray(fh["coords"][()], dtype=np.int64)
+                attrs = {k: (v.item() if isinstance(v, np.generic) else v)
+                         for k, v in fh["coords"].attrs.items()}
+        except OSError as err:
+            raise ValueError(f"{path}: cannot read the feature file ({err})") from None
+        if features.ndim != 2 or coords.shape != (features.shape[0], 2) or features.shape[0] == 0:
+            raise ValueError(f"{path}: features {features.shape} and coords {coords.shape} do not describe "
+                             "the same N >= 1 patches ([N, D] and [N, 2])")
+        return cls(path, torch.from_numpy(features), coords, attrs)
+
+
+def grid_step(coords: np.ndarray) -> int | None:
+    """The smallest positive gap between two distinct x, or two distinct y, coordinates (None if none)."""
+    gaps = [np.diff(np.unique(coords[:, axis])) for axis in (0, 1)]
+    gaps = np.concatenate(gaps)
+    return int(gaps.min()) if gaps.size else None
+
+
+def footprint_level0(bag: FeatureBag, level_downsamples: tuple[float, ...] | None,
+                     given: int | None = None) -> int:
+    """A patch's side in level-0 pixels (the order of the module docstring); ValueError when unknown."""
+    if given is not None:
+        return int(given)
+    attrs = bag.coords_attrs
+    size, level = attrs.get("patch_size"), attrs.get("patch_level")
+    if attrs.get("patch_size_level0") is not None:
+        return int(attrs["patch_size_level0"])
+    if size is not None and attrs.get("downsample") is not None:
+        return int(round(float(size) * float(np.ravel(attrs["downsample"])[0])))
+    if size is not None and level is not None and level_downsamples is not None:
+        if int(level) >= len(level_downsamples):
+            raise ValueError(f"{bag.path}: patches at level {level}, the slide has {len(level_downsamples)}")
+        return int(round(float(size) * level_downsamples[int(level)]))
+    if size is not None and level is not None and int(level) == 0:
+        return int(size)
+    step = grid_step(bag.coords)
+    if step is None:
+        raise ValueError(f"{bag.path}: cannot tell the patch size in level-0 pixels (no coords attributes, "
+                         "one patch); give --patch-size-level0")
+    return step
+
+
+def blank_canvas(coords: np.ndarray, footprint: int, max_size: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """(white canvas uint8 [h, w, 3], the level-0 size it spans): the patches' extent from the origin,
+    the longer side ``min(max_size, level-0 side)``, the scaling of :meth:`Slide.thumbnail`."""
+    w0, h0 = int(coords[:, 0].max()) + footprint, int(coords[:, 1].max()) + footprint
+    scale = min(1.0, max_size / max(w0, h0))
+    shape = (max(1, round(h0 * scale)), max(1, round(w0 * scale)), 3)
+    return np.full(shape, BLANK, dtype=np.uint8), (w0, h0)
+
+
+def make_feature_heatmap(head: torch.nn.Module, classes: list[str], bag: FeatureBag, slide_path: Path | None,
+                         sid: str, out_dir: Path, options: HeatmapOptions, meta: dict | None = None,
+                         patch_size_level0: int | None = None) -> HeatmapFiles:
+    """Score the patches of a feature bag with ``head`` and write ``{sid}_heatmap.h5`` and ``.png`` into
+    ``out_dir``, on the slide's thumbnail when ``slide_path`` is given, else on a blank canvas."""
+    colormap(options.cmap)
+    scores, probs = bag_scores(head, bag.features.to(next(head.parameters()).device))
+    if slide_path is None:
+        footprint = footprint_level0(bag, None, patch_size_level0)
+        canvas, level0 = blank_canvas(bag.coords, footprint, options.thumbnail_size)
+    else:
+        with open_slide(slide_path) as slide:
+            footprint = footprint_level0(bag, slide.level_downsamples, patch_size_level0)
+            canvas, level0 = slide.thumbnail(options.thumbnail_size), slide.dimensions
+    result = SlideScores(bag.coords, scores, probs, footprint)
+    kind = "blank" if slide_path is None else "thumbnail"
+    attrs = {**_common_attrs(sid, slide_path, classes, result, kind, options, meta),
+             "features_path": str(bag.path)}
+    return _write(out_dir, sid, result, bag.coords_attrs, canvas, level0, attrs, options)

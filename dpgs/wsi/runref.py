@@ -9,6 +9,10 @@ fold name (tag ``dpgs.fold``) for the nested run of a fold, is the directory; a 
 The other way round, :func:`find_mlflow_run` finds the MLflow run of a run directory: the most recent
 run of the config's experiment whose output directory (as above) is that directory.
 
+:func:`resolve_run_group` also accepts a parent of several splits (``data.folds > 1``, or a CLAM split
+directory): its output directory, whose sub-directories ``fold_k`` (split names) are run directories,
+or the MLflow id of its parent run (tag ``dpgs.kfold_parent``), whose nested runs are the folds.
+
 Every problem raises :class:`RunError` (a ``ValueError``) naming the path or run id.
 """
 
@@ -19,9 +23,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dpgs.config import Config, ConfigError, load_config
 
 RUN_FILES = ("config.yaml", "classes.json", "best.pt")
+KFOLD_TAG = "dpgs.kfold_parent"
+PARENT_TAG = "mlflow.parentRunId"
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -42,6 +50,25 @@ class RunRef:
     @property
     def checkpoint(self) -> Path:
         return self.run_dir / "best.pt"
+
+    def load_model(self, in_dim: int | None, checkpoint: Path | None = None) -> torch.nn.Module:
+        """The run's model for ``len(classes())`` classes (``in_dim``: the feature dim of feature-bag runs,
+        None for tile runs) with ``checkpoint`` (default ``best.pt``) loaded, in eval mode on the CPU;
+        RunError naming the file when it cannot be read or does not fit."""
+        from dpgs.modeling import ModelSpec
+
+        checkpoint = self.checkpoint if checkpoint is None else Path(checkpoint)
+        model = ModelSpec(self.config.model, in_dim, len(self.classes())).build()
+        try:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        except Exception as err:  # missing file, pickle errors, truncated files, non-tensor content
+            raise RunError(f"{checkpoint}: not a readable state_dict ({err})") from None
+        try:
+            model.load_state_dict(state)
+        except (RuntimeError, TypeError) as err:
+            first = str(err).strip().splitlines()[:3]
+            raise RunError(f"{checkpoint}: does not match the run's model ({' '.join(first)})") from None
+        return model.eval()
 
     def classes(self) -> list[str]:
         """The class names of ``classes.json``, in the model's output order."""
@@ -99,8 +126,8 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def dir_from_run_id(run_id: str, uri: str) -> Path:
-    """The run directory of MLflow run ``run_id`` (see module docstring)."""
+def _get_run(run_id: str, uri: str):
+    """The MLflow run ``run_id`` of ``uri``; RunError naming both when there is none."""
     from mlflow.exceptions import MlflowException
 
     missing = sqlite_store_missing(uri)
@@ -108,11 +135,16 @@ def dir_from_run_id(run_id: str, uri: str) -> Path:
         raise RunError(f"--run {run_id}: no run directory of that name, and the tracking store {missing} "
                        "does not exist (give --tracking-uri)")
     try:
-        run = _client(uri).get_run(run_id)
+        return _client(uri).get_run(run_id)
     except MlflowException as err:
         raise RunError(f"--run {run_id}: neither a run directory nor an MLflow run id in {uri} "
                        f"({err.message})") from None
-    if run.data.tags.get("dpgs.kfold_parent") == "true":
+
+
+def dir_from_run_id(run_id: str, uri: str) -> Path:
+    """The run directory of MLflow run ``run_id`` (see module docstring)."""
+    run = _get_run(run_id, uri)
+    if run.data.tags.get(KFOLD_TAG) == "true":
         out = run.data.params.get("train.output_dir")
         raise RunError(f"--run {run_id}: a k-fold parent run; pass one of its fold runs or {out}/fold_k")
     run_dir = run_dir_of(run.data.params, run.data.tags)
@@ -172,3 +204,83 @@ def resolve_run(target: str, tracking_uri: str | None = None, lookup_mlflow: boo
     uri = tracking_uri or DEFAULT_TRACKING_URI
     run_dir = dir_from_run_id(target, uri)
     return RunRef(run_dir, load_run_config(run_dir), target, uri)
+
+
+@dataclass(frozen=True)
+class RunGroup:
+    """One trained run, or every fold of a parent of several splits (``kfold``), in split order;
+    ``parent_run_id`` is the parent's MLflow run when known."""
+
+    root: Path
+    folds: tuple[RunRef, ...]
+    kfold: bool
+    parent_run_id: str | None
+
+
+def _split_order(name: str) -> tuple[int, str]:
+    found = re.search(r"(\d+)$", name)
+    return (int(found.group(1)) if found else -1, name)
+
+
+def fold_dirs(root: Path) -> list[Path]:
+    """The sub-directories of ``root`` that are run directories, in split order (``fold_0``, ``fold_1``)."""
+    found = [d for d in root.iterdir() if d.is_dir() and all((d / n).is_file() for n in RUN_FILES)]
+    return sorted(found, key=lambda d: _split_order(d.name))
+
+
+def _parent_of(folds: list[RunRef]) -> str | None:
+    """The MLflow parent run of the first fold whose run is known."""
+    from mlflow.exceptions import MlflowException
+
+    for ref in folds:
+        if ref.run_id is not None:
+            try:
+                return _client(ref.tracking_uri).get_run(ref.run_id).data.tags.get(PARENT_TAG)
+            except MlflowException:
+                return None
+    return None
+
+
+def _group_of_parent_run(run, uri: str) -> RunGroup:
+    """The folds of k-fold parent ``run``: its nested runs, each located by its output directory."""
+    client = _client(uri)
+    children, token = [], None
+    while True:
+        page = client.search_runs([run.info.experiment_id], f"tags.{PARENT_TAG} = '{run.info.run_id}'",
+                                  max_results=1000, page_token=token)
+        children.extend(page)
+        token = page.token
+        if not token:
+            break
+    if not children:
+        raise RunError(f"--run {run.info.run_id}: a k-fold parent run without nested fold runs in {uri}")
+    folds = []
+    for child in sorted(children, key=lambda c: _split_order(c.data.tags.get("dpgs.fold", ""))):
+        run_dir = run_dir_of(child.data.params, child.data.tags)
+        what = f"--run {run.info.run_id} (fold run {child.info.run_id})"
+        if run_dir is None:
+            raise RunError(f"{what}: the MLflow run has no param train.output_dir (not a dpgs run)")
+        check_run_dir(run_dir, what)
+        folds.append(RunRef(run_dir, load_run_config(run_dir), child.info.run_id, uri))
+    root = Path(run.data.params.get("train.output_dir", folds[0].run_dir.parent))
+    return RunGroup(root, tuple(folds), True, run.info.run_id)
+
+
+def resolve_run_group(target: str, tracking_uri: str | None = None) -> RunGroup:
+    """Locate ``target``: a run directory or MLflow run id (:func:`resolve_run`), or a parent of several
+    splits (see the module docstring); RunError naming the path or run id."""
+    path = Path(target)
+    if path.is_dir() and not (path / "config.yaml").is_file():
+        found = fold_dirs(path)
+        if not found:
+            check_run_dir(path, f"--run {target}")  # raises, naming the missing files
+        folds = [resolve_run(str(d), tracking_uri) for d in found]
+        return RunGroup(path, tuple(folds), True, _parent_of(folds))
+    if path.is_dir() or not _RUN_ID.match(target):
+        return RunGroup(path, (resolve_run(target, tracking_uri),), False, None)
+    uri = tracking_uri or DEFAULT_TRACKING_URI
+    run = _get_run(target, uri)
+    if run.data.tags.get(KFOLD_TAG) == "true":
+        return _group_of_parent_run(run, uri)
+    ref = resolve_run(target, uri)
+    return RunGroup(ref.run_dir, (ref,), False, None)

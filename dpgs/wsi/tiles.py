@@ -14,6 +14,11 @@ from ``numpy.random.default_rng([seed, epoch, index])``; then, when an augmentat
 parameter set drawn from a ``torch.Generator`` seeded with the same triple and applied to all tiles;
 then ImageNet normalisation. ``iterate_bags`` reads the next bag in a background thread while the
 caller computes on the current one.
+
+For evaluation, ``TileBagDataset.open_stream(i)`` returns a :class:`TileStream`: every tile of slide ``i``
+addressable by its coords index and read on demand (``stream.read(indices)``), ImageNet-normalised and
+never augmented, so that a bag is embedded chunk by chunk straight from the slide and only the tiles a
+protocol uses are read (``dpgs.train.evaluate``).
 """
 
 from __future__ import annotations
@@ -151,6 +156,30 @@ class TileReader:
         self.slide.close()
 
     def __enter__(self) -> TileReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TileStream:
+    """The tiles of one slide for evaluation: ``read(indices)`` returns the ImageNet-normalised float32
+    tiles [n, 3, s, s] of those coords indices (all, in coords order, for None), with no augmentation.
+    A context manager: leaving it closes the reader."""
+
+    def __init__(self, reader: TileReader):
+        self.reader = reader
+
+    def __len__(self) -> int:
+        return len(self.reader.layout)
+
+    def read(self, indices: np.ndarray | None = None) -> torch.Tensor:
+        return imagenet_normalize(to_float_tiles(self.reader.read(indices)))
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> TileStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -347,6 +376,11 @@ class TileBagDataset:
         if self.normalize:
             x = imagenet_normalize(x)
         return TileBag(item.slide_id, x, item.label, coords, idx)
+
+    def open_stream(self, i: int) -> TileStream:
+        """Every tile of bag ``i`` for evaluation, read on demand (no sampling, no augmentation)."""
+        path = self.items[i].slide_path
+        return TileStream(TileReader(path, self.layout(i), self.tile_size, self.threads, self.backend))
 
     def get(self, i: int, epoch: int) -> TileBag:
         """Bag ``i`` as epoch ``epoch`` samples and augments it."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpgs.outputs import write_atomically
 from dpgs.wsi import tissue as T
 from dpgs.wsi.reader import Slide, open_slide
 
@@ -206,10 +206,6 @@ def tile_slide(slide: Slide | str | Path, params: TilingParams) -> TilingResult:
     return TilingResult(coords[keep], fractions[keep], len(coords), geom, thumb)
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def write_coords_h5(path: str | Path, result: TilingResult, params: TilingParams, slide_path: str) -> Path:
     """Write ``coords`` (+ attrs) and ``tissue_fraction`` atomically (temporary file, then rename)."""
     import h5py
@@ -233,18 +229,16 @@ def write_coords_h5(path: str | Path, result: TilingResult, params: TilingParams
         attrs["level0_magnification"] = g.level0_magnification
     if g.target_magnification is not None:
         attrs["target_magnification"] = g.target_magnification
-    tmp = _tmp_path(path)
-    try:
+
+    def write(tmp: Path) -> None:
         with h5py.File(tmp, "w") as fh:
             ds = fh.create_dataset("coords", data=result.coords.astype(np.int64).reshape(-1, 2))
             ds.attrs.update(attrs)
             fh.create_dataset("tissue_fraction", data=result.fractions.astype(np.float32))
             fh.attrs["dpgs_settings"] = json.dumps(params.settings(), sort_keys=True)
             fh.attrs["grid_tiles"] = result.grid_tiles
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+
+    return write_atomically(path, write)
 
 
 def read_coords_h5(path: str | Path) -> tuple[np.ndarray, dict]:
@@ -300,13 +294,7 @@ def outline_thumbnail(thumbnail: np.ndarray, coords: np.ndarray, geom: TileGeome
         x0, y0 = math.floor(x * sx), math.floor(y * sy)
         x1, y1 = max(x0, math.ceil((x + s0) * sx) - 1), max(y0, math.ceil((y + s0) * sy) - 1)
         draw.rectangle((x0, y0, x1, y1), outline=(0, 160, 0), width=1)
-    tmp = _tmp_path(path)
-    try:
-        img.save(tmp, format="PNG")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return write_atomically(path, lambda tmp: img.save(tmp, format="PNG"))
 
 
 @dataclass
@@ -382,16 +370,16 @@ class TilingReport:
 
 
 def write_report(path: Path, outcomes: list[SlideOutcome]) -> Path:
-    tmp = _tmp_path(path)
-    with tmp.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=REPORT_COLUMNS)
-        writer.writeheader()
-        for o in outcomes:
-            row = asdict(o)
-            row["seconds"] = f"{o.seconds:.3f}"
-            writer.writerow(row)
-    os.replace(tmp, path)
-    return path
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=REPORT_COLUMNS)
+            writer.writeheader()
+            for o in outcomes:
+                row = asdict(o)
+                row["seconds"] = f"{o.seconds:.3f}"
+                writer.writerow(row)
+
+    return write_atomically(path, write)
 
 
 def tile_directory(

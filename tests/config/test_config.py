@@ -72,3 +72,39 @@ def test_shipped_configs_validate(name):
     from pathlib import Path
 
     load_config(Path(__file__).parents[2] / "configs" / name)
+
+
+@pytest.mark.parametrize(
+    "override, key, message",
+    [
+        ("train.batch_size=true", "train.batch_size", "expected int, got the boolean true"),
+        ("dpgs.workers=yes", "dpgs.workers", "expected int, got the boolean true"),
+        ("train.lr=true", "train.lr", "expected float, got the boolean true"),
+        ("train.lr=inf", "train.lr", "Input should be a finite number"),
+        ("train.lr=.nan", "train.lr", "Input should be a finite number"),
+        ("dpgs.call_timeout_s=.inf", "dpgs.call_timeout_s", "Input should be a finite number"),
+    ],
+)
+def test_booleans_and_non_finite_numbers_are_not_numbers(override, key, message):
+    with pytest.raises(ConfigError, match=rf"{key}: .*{message}"):
+        load_config(None, [override])
+
+
+def test_booleans_stay_booleans_and_numbers_stay_numbers():
+    cfg = load_config(None, ["train.class_weighted_loss=yes", "train.epochs=2.0", "train.lr=1e-3"])
+    assert cfg.train.class_weighted_loss is True and cfg.train.epochs == 2 and cfg.train.lr == 1e-3
+
+
+def test_saved_config_is_written_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "config.yaml"
+    save_config(load_config(None, ["train.epochs=3"]), path)
+    before = path.read_text()
+
+    def dump_then_fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("pathlib.Path.write_text", dump_then_fail)
+    with pytest.raises(OSError, match=f"cannot write {path}: No space left on device"):
+        save_config(load_config(None, ["train.epochs=5"]), path)
+    monkeypatch.undo()
+    assert path.read_text() == before and list(tmp_path.iterdir()) == [path]

@@ -91,3 +91,17 @@ def test_slide_id_must_be_a_file_name(tmp_path, feats):
     csv = write_csv(tmp_path / "m.csv", ["slide_id", "label"], [["../a", 0], ["b", 1]])
     with pytest.raises(DataValidationError, match=r"row 2: slide_id '\.\./a' is not a file name"):
         load_manifest(csv, feats)
+
+
+def test_a_stray_text_label_among_integers_is_refused_naming_its_rows(tmp_path, feats):
+    rows = [["a", 0], ["b", 1], ["c", "banana"], ["d", 1]]
+    csv = write_csv(tmp_path / "m.csv", ["slide_id", "label"], rows)
+    with pytest.raises(DataValidationError) as err:
+        load_manifest(csv, feats)
+    assert err.value.problems == [
+        f"{csv}, row 4: label 'banana' for slide 'c' is not an integer but the other 3 labels are integers"
+    ]
+    rows = [["a", "tumour"], ["b", "normal"], ["c", "7"], ["d", "normal"]]
+    csv = write_csv(tmp_path / "m.csv", ["slide_id", "label"], rows)
+    with pytest.raises(DataValidationError, match=r"row 4: label '7' for slide 'c' is an integer but"):
+        load_manifest(csv, feats)

@@ -3,8 +3,17 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dpgs.data import DataValidationError, Manifest, SlideRecord, clam_splits, kfold_splits, manifest_split
-from tests.data_helpers import write_csv
+from dpgs.config.schema import DataConfig
+from dpgs.data import (
+    DataValidationError,
+    Manifest,
+    SlideRecord,
+    clam_splits,
+    kfold_splits,
+    load_experiment_data,
+    manifest_split,
+)
+from tests.data_helpers import write_csv, write_h5
 
 
 def make_manifest(n=120, classes=3, seed=0, splits=None):
@@ -121,3 +130,49 @@ def test_clam_split_directory_in_numeric_order(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataValidationError, match="no splits_\\*.csv files"):
         clam_splits(m, tmp_path / "empty")
+
+
+def experiment_with(tmp_path, rows, header=("slide_id", "label", "case_id", "split"), **data):
+    """load_experiment_data over small h5 bags of ``rows`` (a manifest with ``header``)."""
+    for row in rows:
+        write_h5(tmp_path / "f" / f"{row[0]}.h5", n=3, d=2)
+    write_csv(tmp_path / "m.csv", list(header), rows)
+    return load_experiment_data(DataConfig(manifest=tmp_path / "m.csv", features_dir=tmp_path / "f", **data))
+
+
+def test_a_case_in_two_manifest_splits_is_refused(tmp_path):
+    rows = [["a", 0, "p1", "train"], ["b", 1, "p2", "train"], ["c", 0, "p1", "test"], ["d", 1, "p1", "val"],
+            ["e", 1, "p3", "test"]]
+    with pytest.raises(DataValidationError) as err:
+        experiment_with(tmp_path, rows)
+    assert err.value.problems == [
+        f"{tmp_path / 'm.csv'}, split 'split': case 'p1' has slides in train (row 2) and val (row 5) and "
+        "test (row 4); the slides of one case must all be in one part"
+    ]
+
+
+def test_a_class_without_training_slides_and_a_single_class_are_refused(tmp_path):
+    rows = [["a", 0, "p1", "train"], ["b", 0, "p2", "train"], ["c", 1, "p3", "test"], ["d", 2, "p4", "val"]]
+    with pytest.raises(DataValidationError) as err:
+        experiment_with(tmp_path, rows)
+    assert err.value.problems == [
+        f"{tmp_path / 'm.csv'}, split 'split': class '1' has no slide in train",
+        f"{tmp_path / 'm.csv'}, split 'split': class '2' has no slide in train",
+    ]
+    rows = [["a", 1, "p1", "train"], ["b", 1, "p2", "train"], ["c", 1, "p3", "test"]]
+    with pytest.raises(DataValidationError, match="every slide has label '1'; training a classifier"):
+        experiment_with(tmp_path, rows)
+
+
+def test_kfold_refuses_a_class_with_fewer_cases_than_the_folds_need(tmp_path):
+    rows = [[f"s{i}", int(i >= 10), f"p{i}"] for i in range(13)]  # class 1: 3 cases
+    with pytest.raises(DataValidationError) as err:
+        experiment_with(tmp_path, rows, header=("slide_id", "label", "case_id"), folds=4, val_fraction=0.0)
+    assert err.value.problems == [
+        f"{tmp_path / 'm.csv'}: class '1' has 3 case(s), fewer than the 4 folds of data.folds=4 (every test "
+        "fold needs one); lower data.folds or add slides of that class"
+    ]
+    with pytest.raises(DataValidationError, match=r"class '1' has 2 training case\(s\), fewer than the 5"):
+        experiment_with(tmp_path, rows, header=("slide_id", "label", "case_id"), folds=3, val_fraction=0.2)
+    assert len(experiment_with(tmp_path, rows, header=("slide_id", "label", "case_id"), folds=3,
+                               val_fraction=0.5).splits) == 3

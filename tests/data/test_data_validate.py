@@ -1,3 +1,5 @@
+import tracemalloc
+
 import h5py
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from dpgs.data import (
     read_bag,
     validate_inputs,
 )
+from dpgs.data.readers import iter_feature_chunks
 from tests.data_helpers import write_csv, write_h5, write_pt
 
 
@@ -217,3 +220,58 @@ def test_experiment_split_selection(tmp_path):
     with pytest.raises(DataValidationError, match="no 'split' column; add one, or set data.split_file"):
         load_experiment_data(experiment_cfg(tmp_path))
     assert load_experiment_data(experiment_cfg(tmp_path), with_splits=False).splits == []
+
+
+def test_float64_values_beyond_float32_range_are_refused(tmp_path):
+    feats = np.zeros((300, 4), np.float64)
+    feats[250, 2] = 1e39  # finite in float64, inf once read as float32
+    feats[251, 0] = -3.5e38
+    feats[252, 1] = 3.0e38  # within range
+    (tmp_path / "f").mkdir()
+    with h5py.File(tmp_path / "f" / "a.h5", "w") as fh:
+        fh.create_dataset("features", data=feats)
+    write_h5(tmp_path / "f" / "b.h5", n=300, d=4)
+    _, m = manifest_for(tmp_path, ["a", "b"])
+    assert problems_of(m, chunk_bytes=512) == [
+        f"slide 'a' (row 2, {tmp_path / 'f' / 'a.h5'}): 2 float64 feature values beyond the float32 range "
+        "(|x| > 3.403e+38); they would become inf in training"
+    ]
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".pt"])
+def test_value_scan_blocks_never_exceed_chunk_bytes_even_for_wide_rows(tmp_path, suffix):
+    path = tmp_path / f"wide{suffix}"
+    if suffix == ".h5":
+        data = write_h5(path, n=3, d=1000, coords=False)
+    else:
+        data = write_pt(path, n=3, d=1000).numpy()
+    blocks = list(iter_feature_chunks(path, chunk_bytes=256))  # a row is 4000 bytes
+    assert max(b.nbytes for b in blocks) <= 256
+    assert np.array_equal(np.concatenate([b.reshape(-1) for b in blocks]), data.reshape(-1))
+
+
+def test_a_file_declaring_a_huge_dimension_is_scanned_in_bounded_memory(tmp_path):
+    (tmp_path / "f").mkdir()
+    with h5py.File(tmp_path / "f" / "huge.h5", "w") as fh:  # 1 x 2^24 float32 (64 MiB), chunks never written
+        fh.create_dataset("features", shape=(1, 1 << 24), dtype="f4", chunks=(1, 1 << 16))
+    _, alone = manifest_for(tmp_path, ["huge"])
+    tracemalloc.start()
+    try:
+        assert validate_inputs(alone, chunk_bytes=1 << 20)["huge"].dim == 1 << 24
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20
+    for sid in ("a", "b"):
+        write_h5(tmp_path / "f" / f"{sid}.h5", d=4)
+    _, mixed = manifest_for(tmp_path, ["a", "huge", "b"])
+    tracemalloc.start()
+    try:  # with the default 64 MiB blocks: the bag of the odd dimension is not scanned at all
+        assert problems_of(mixed) == [
+            f"slide 'huge' (row 3, {tmp_path / 'f' / 'huge.h5'}): feature dim 16777216 differs from the 4 "
+            "of 2 other bags"
+        ]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20

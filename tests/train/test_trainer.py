@@ -57,7 +57,7 @@ def test_packed_run_writes_outputs_and_logs_contract(bags, tmp_path):
         "test_auc",
         "best_epoch",
         "time_to_best_seconds",
-        "test_k4_auc_mean",
+        "test_k4_auc",
         "test_k4_auc_std",
     ):
         assert key in run.data.metrics, key

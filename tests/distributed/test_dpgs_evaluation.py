@@ -1,0 +1,67 @@
+"""Evaluation on the DPGS workers: bags sharded by length over P workers and merged on the driver give
+the driver's own predictions (feature bags and tile bags streamed from the slides; both protocols)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dpgs.data import load_experiment_data
+from dpgs.modeling import ModelSpec
+from dpgs.train.evaluate import ALL_INSTANCES, EvalProtocol, score_bags
+from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
+from tests.tile_helpers import tile_config, write_tiled_slides
+
+pytestmark = pytest.mark.ray
+
+PROTOCOLS = [ALL_INSTANCES, EvalProtocol.sampled(7, 3, seed=5)]
+
+
+def assert_same_predictions(workers, driver):
+    assert workers.slide_ids == driver.slide_ids and np.array_equal(workers.indices, driver.indices)
+    np.testing.assert_allclose(workers.probs, driver.probs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(workers.losses, driver.losses, rtol=1e-6, atol=1e-6)
+
+
+def test_worker_evaluation_of_feature_bags_equals_the_driver(ray_cluster, tmp_path):
+    bags = write_bags(tmp_path / "bags", [3, 200, 17, 1, 90, 44, 6, 300, 12, 58, 2, 150, 33, 9, 71, 5, 20, 8])
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.compression.keep_ratio=0.1")
+    data = experiment_data(config)
+    spec = ModelSpec(config.model, data.dataset.feature_dim, 2)
+    torch.manual_seed(0)
+    order = list(range(len(data.dataset)))[::-1]  # every bag, in an order the shards do not follow
+    with dpgs_engine(config, spec, spec.build(), data.dataset, data.splits[0].train) as engine:
+        engine.run_epoch([[0, 1, 2, 3], [4, 5, 6, 7]], 1, [])  # weights away from their initial values
+        state = engine.state_dict()
+        reference = spec.build()
+        reference.load_state_dict(state)
+        for protocol in PROTOCOLS:
+            assert_same_predictions(engine.evaluate(order, protocol),
+                                    score_bags(reference, data.dataset, order, protocol, torch.device("cpu")))
+        other = {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}  # explicit weights
+        reference.load_state_dict(other)
+        assert_same_predictions(engine.evaluate(order, ALL_INSTANCES, other),
+                                score_bags(reference, data.dataset, order, ALL_INSTANCES, torch.device("cpu")))
+
+
+def test_worker_evaluation_of_tile_bags_equals_the_driver(ray_cluster, tmp_path):
+    """The workers hold the training dataset (6 tiles sampled per bag, augmentation on); evaluation reads
+    every tile (or the protocol's K) without augmentation, like the driver's evaluation dataset."""
+    slides = write_tiled_slides(tmp_path / "slides", n_slides=6)
+    config = tile_config(*slides, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "train.optimizer=sgd",
+                         "train.lr=0.05", "data.augment.enabled=true", "model.embed_chunk=8")
+    data = load_experiment_data(config.data, seed=0)
+    spec = ModelSpec(config.model, None, 2)
+    torch.manual_seed(0)
+    order = list(range(len(data.eval_dataset)))
+    with dpgs_engine(config, spec, spec.build(), data.dataset, data.splits[0].train,
+                     eval_dataset=data.eval_dataset) as engine:
+        engine.run_epoch([data.splits[0].train[:3]], 1, [])  # running statistics move away from 0 and 1
+        reference = spec.build()
+        reference.load_state_dict(engine.state_dict())
+        for protocol in PROTOCOLS:
+            assert_same_predictions(
+                engine.evaluate(order, protocol),
+                score_bags(reference, data.eval_dataset, order, protocol, torch.device("cpu")))

@@ -1,0 +1,425 @@
+"""Reliability of a training run (docs/reliability.md): resume checks, atomic outputs, the output-dir lock,
+errors instead of tracebacks, and MLflow runs ended KILLED or FAILED. Single-process modes; the runs that
+need a signal or a second process run ``dpgs train`` as a subprocess."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+import dpgs.runner
+from dpgs.cli import main
+from dpgs.config import config_to_dict, save_config
+from dpgs.errors import RunFailure
+from dpgs.outputs import LOCK_NAME, locked_output_dir
+from dpgs.train.engine import LocalSession
+from dpgs.train.resume import ResumeError
+from dpgs.train.trainer import run_training
+from tests.dpgs_helpers import make_config, write_bags
+
+LENGTHS = [3, 40, 7, 1, 90, 12, 5, 30, 2, 60, 8, 15, 4, 22, 9, 11, 6, 50, 13, 2]
+DPGS = ("train.mode=dpgs", "train.batch_size=4", "train.epochs=3", "train.scheduler=none")
+
+
+@pytest.fixture(scope="module")
+def bags(tmp_path_factory):
+    return write_bags(tmp_path_factory.mktemp("bags"), LENGTHS)
+
+
+class EngineStarted(Exception):
+    """Raised by :class:`NoEngineSession`: the run got past every check to the point of training."""
+
+
+class NoEngineSession:
+    """A session whose engine is never expected: building one means the checks let the run through."""
+
+    def engine(self, setup):
+        raise EngineStarted(setup.output_dir)
+
+    def close(self) -> None:
+        pass
+
+
+def runs_in(uri: str) -> list:
+    client = MlflowClient(uri)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(ids) if ids else []
+
+
+def cli_args(bags, out: Path, *overrides: str) -> list[str]:
+    manifest, feats = bags
+    return [
+        "train",
+        f"data.manifest={manifest}",
+        f"data.features_dir={feats}",
+        f"train.output_dir={out}",
+        f"tracking.uri=sqlite:///{out.parent / 'mlflow.db'}",
+        "data.prefetch=0",
+        "train.scheduler=none",
+        "train.batch_size=4",
+        *overrides,
+    ]
+
+
+def write_checkpoint(config, out: Path) -> Path:
+    """What a DPGS run leaves after its first epoch: checkpoint.pt (with the run's config) and config.yaml."""
+    out.mkdir(parents=True)
+    save_config(config, out / "config.yaml")
+    path = out / "checkpoint.pt"
+    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": config_to_dict(config)}
+    torch.save({"master": {"step": 4}, "driver": driver}, path)
+    return path
+
+
+def resumed(*overrides: str, bags, out: Path):
+    """A DPGS config over ``bags`` with ``overrides`` that resumes ``out/checkpoint.pt``."""
+    new = make_config(*bags, out, *DPGS, *overrides)
+    return new.model_copy(update={"dpgs": new.dpgs.model_copy(update={"resume": out / "checkpoint.pt"})})
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def test_resume_refuses_run_changing_keys_naming_each_and_writes_nothing(bags, tmp_path):
+    out = tmp_path / "run"
+    original = make_config(*bags, out, *DPGS)
+    write_checkpoint(original, out)
+    config_before = (out / "config.yaml").read_bytes()
+    new = resumed("model.name=meanmil", "train.batch_size=8", "train.lr=0.001", "seed=1",
+                  "dpgs.compression.keep_ratio=0.5", bags=bags, out=out)
+    with pytest.raises(ResumeError) as err:
+        run_training(new, NoEngineSession())
+    text = str(err.value)
+    assert "changes the run in 5 key(s)" in text
+    for line in ('model.name: "abmil" -> "meanmil"', "train.batch_size: 4 -> 8", "train.lr: 0.01 -> 0.001",
+                 "seed: 0 -> 1", "dpgs.compression.keep_ratio: 1.0 -> 0.5"):
+        assert f"  {line}\n" in text + "\n", line
+    assert err.value.exit_code == 2
+    assert (out / "config.yaml").read_bytes() == config_before  # the original run's config is intact
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.yaml"]
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_resume_allows_epochs_tracking_timeouts_and_keeps_config_yaml(bags, tmp_path):
+    out = tmp_path / "run"
+    original = make_config(*bags, out, *DPGS)
+    write_checkpoint(original, out)
+    config_before = (out / "config.yaml").read_bytes()
+    new = resumed("train.epochs=5", "tracking.run_name=more", "dpgs.call_timeout_s=30",
+                  "dpgs.max_worker_restarts=1", "data.prefetch=1", "experiment=other", bags=bags, out=out)
+    with pytest.raises(EngineStarted):  # every check passed: the run went on to build its engine
+        run_training(new, NoEngineSession())
+    assert (out / "config.yaml").read_bytes() == config_before
+    (run,) = runs_in(new.tracking.uri)
+    assert run.info.status == "FAILED" and run.info.run_name == "more"
+
+
+def test_resume_with_cosine_schedule_refuses_more_epochs(bags, tmp_path):
+    out = tmp_path / "run"
+    original = make_config(*bags, out, *DPGS, "train.scheduler=cosine")
+    write_checkpoint(original, out)
+    new = resumed("train.scheduler=cosine", "train.epochs=6", bags=bags, out=out)
+    with pytest.raises(ResumeError, match=r"train.epochs: 3 -> 6\n.*only without train.scheduler=cosine"):
+        run_training(new, NoEngineSession())
+
+
+def test_resume_refuses_another_output_dir_and_other_classes(bags, tmp_path):
+    out = tmp_path / "run"
+    original = make_config(*bags, out, *DPGS)
+    write_checkpoint(original, out)
+    elsewhere = resumed(bags=bags, out=out).model_copy(
+        update={"train": original.train.model_copy(update={"output_dir": tmp_path / "other"})}
+    )
+    with pytest.raises(ResumeError, match=f"set train.output_dir={out}"):
+        run_training(elsewhere, NoEngineSession())
+    (out / "classes.json").write_text('["benign", "tumour"]')
+    with pytest.raises(ResumeError, match=r"classes \['0', '1'\] differ from the run's \['benign', 'tum"):
+        run_training(resumed(bags=bags, out=out), NoEngineSession())
+    assert not (tmp_path / "other").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "state_dict"])
+def test_corrupt_checkpoint_is_an_error_before_mlflow_or_ray(bags, tmp_path, capsys, monkeypatch, damage):
+    out = tmp_path / "run"
+    path = write_checkpoint(make_config(*bags, out, *DPGS), out)
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "garbage":
+        path.write_bytes(os.urandom(4096))
+    else:
+        torch.save({"weight": torch.zeros(2)}, path)
+    monkeypatch.setattr(dpgs.runner, "open_session", lambda config: NoEngineSession())
+    assert main([*cli_args(bags, out, *DPGS), "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dpgs train: error: --resume: {path}") or err.startswith(
+        f"dpgs train: error: --resume: checkpoint {path}"
+    )
+    assert "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.yaml"]
+
+
+# --------------------------------------------------------------------------------------- atomic outputs
+def test_disk_full_while_saving_keeps_previous_checkpoint_and_exits_2(bags, tmp_path, capsys, monkeypatch):
+    real_save = torch.save
+    calls = []
+
+    def save_until_disk_full(obj, fh, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # epoch 1 wrote last.pt and best.pt; epoch 2's last.pt hits a full disk
+            fh.write(b"PK\x03\x04 half a zip")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, fh, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save_until_disk_full)
+    out = tmp_path / "run"
+    assert main(cli_args(bags, out, "train.mode=packed", "train.epochs=3")) == 2
+    err = capsys.readouterr().err
+    assert f"dpgs train: error: [Errno 28] cannot write {out / 'last.pt'}: No space left on device" in err
+    last = torch.load(out / "last.pt", weights_only=True)  # the previous, complete file
+    best = torch.load(out / "best.pt", weights_only=True)
+    assert all(torch.equal(last[k], best[k]) for k in best)  # both from epoch 1
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name or p.name == LOCK_NAME]
+    (run,) = runs_in(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FAILED"
+    assert "No space left on device" in run.data.tags["dpgs.error"]
+
+
+def test_orphaned_temporaries_are_removed_when_the_directory_is_used_again(bags, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    orphans = [out / ".last.pt.tmp-4242", out / "checkpoint.pt.tmp", out / ".metrics.csv.tmp-17"]
+    for orphan in orphans:
+        orphan.write_bytes(b"half")
+    assert main(cli_args(bags, out, "train.mode=packed", "train.epochs=1")) == 0
+    assert not any(p.exists() for p in orphans)
+    assert torch.load(out / "last.pt", weights_only=True)
+
+
+# ------------------------------------------------------------------------------- output dir and model
+def test_second_run_into_a_locked_output_dir_is_refused_naming_the_owner(bags, tmp_path, capsys):
+    out = tmp_path / "run"
+    with locked_output_dir(out):
+        assert main(cli_args(bags, out, "train.mode=packed", "train.epochs=1")) == 2
+    err = capsys.readouterr().err
+    assert f"is in use by another dpgs run: pid {os.getpid()} on host {socket.gethostname()}" in err
+    assert not out.exists()  # nothing was written, and the lock went with its holder
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_lock_of_a_killed_run_does_not_block_the_next(tmp_path):
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from dpgs.outputs import locked_output_dir\n"
+         f"with locked_output_dir({str(out)!r}):\n    print('locked', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunFailure, match=f"pid {holder.pid} on host"):
+            with locked_output_dir(out):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (out / LOCK_NAME).exists()  # SIGKILL left the file, but the kernel released its lock
+    with locked_output_dir(out):
+        pass
+
+
+def unusable_output_dirs(tmp_path: Path) -> list[tuple[Path, str]]:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [(a_file, "is a file, not a directory"), (a_file / "sub", "cannot create the directory")]
+    if os.geteuid() != 0:
+        locked = tmp_path / "read_only"
+        locked.mkdir(mode=0o500)
+        cases.append((locked, "is not writable"))
+    elif not can_create_file_in(Path("/sys")):  # root writes anywhere but in a read-only file system
+        cases.append((Path("/sys"), "is not writable"))
+    return cases
+
+
+def can_create_file_in(directory: Path) -> bool:
+    probe = directory / f".dpgs-probe-{os.getpid()}"
+    try:
+        probe.touch()
+    except OSError:
+        return False
+    probe.unlink()
+    return True
+
+
+def test_unusable_output_dir_is_an_error_not_a_traceback(bags, tmp_path, capsys):
+    for out, reason in unusable_output_dirs(tmp_path):
+        assert main(cli_args(bags, out, "train.mode=packed", "train.epochs=1")) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith(f"dpgs train: error: train.output_dir={out}") and reason in err, err
+        assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_unusable_tracking_uri_is_an_error_and_leaves_no_output_dir(bags, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = cli_args(bags, out, "train.mode=packed", "train.epochs=1")
+    assert main([*args, "--tracking-uri", "nope://x"]) == 2
+    assert capsys.readouterr().err.startswith("dpgs train: error: tracking.uri=nope://x: cannot start an")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.name=nope"], "model.name: unknown head 'nope'"),
+        (["model.params={heads: 3}"], "model.params: unknown parameter(s) heads"),
+        (["train.mode=padding", "model.name=transmil"], "train.mode=padding needs a head that"),
+    ],
+)
+def test_bad_model_is_refused_before_output_dir_and_mlflow_run(bags, tmp_path, capsys, overrides, message):
+    out = tmp_path / "run"
+    assert main(cli_args(bags, out, "train.epochs=1", *overrides)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dpgs train: error: {message}"), err
+    assert not out.exists()
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+# ------------------------------------------------------------------------------------ failures, signals
+class FailingSession(LocalSession):
+    """Single-process engines that fail like a lost cluster at the start of epoch 2, and cannot be released
+    either (their cluster is gone)."""
+
+    class ClusterLost(RunFailure):
+        exit_code = 3
+
+    def engine(self, setup):
+        engine = super().engine(setup)
+        run_epoch = engine.run_epoch
+
+        def failing(batches, epoch, history=None):
+            if epoch == 2:
+                raise self.ClusterLost("the Ray cluster is gone (raylet died); resume with --resume")
+            return run_epoch(batches, epoch, history)
+
+        def close():
+            raise ConnectionError("GCS unreachable")
+
+        engine.run_epoch = failing
+        engine.close = close
+        return engine
+
+
+def test_run_failure_marks_run_failed_keeps_checkpoints_and_exits_with_its_code(bags, tmp_path, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setattr(dpgs.runner, "open_session", lambda config: FailingSession())
+    out = tmp_path / "run"
+    assert main(cli_args(bags, out, "train.mode=packed", "train.epochs=3")) == 3
+    err = capsys.readouterr().err
+    assert "dpgs train: error: the Ray cluster is gone (raylet died); resume with --resume" in err
+    assert "could not release the engine cleanly: ConnectionError: GCS unreachable" in err
+    assert torch.load(out / "last.pt", weights_only=True)
+    assert not (out / LOCK_NAME).exists()
+    (run,) = runs_in(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FAILED"
+    assert run.data.tags["dpgs.error"].startswith("the Ray cluster is gone")
+
+
+def test_signals_raise_interrupted_once_then_end_the_process_and_ignored_ones_stay_ignored():
+    script = """
+import os, signal, time
+from dpgs.interrupts import Interrupted, signals_interrupt
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+with signals_interrupt():
+    os.kill(os.getpid(), signal.SIGINT)  # ignored by the parent's choice: nothing happens
+    time.sleep(0.1)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+    except Interrupted as err:
+        print(err, err.exit_code, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal during the cleanup
+        time.sleep(5)
+print("survived")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "interrupted by SIGTERM 143\n"
+    assert done.returncode == -signal.SIGTERM
+
+
+def start_training(bags, out: Path, *overrides: str) -> subprocess.Popen:
+    """``dpgs train`` in a subprocess, once its first epoch has ended (its stdout line is read)."""
+    dpgs_cli = Path(sys.executable).parent / "dpgs"
+    proc = subprocess.Popen([str(dpgs_cli), *cli_args(bags, out, *overrides)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=out.parent)
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        if "epoch 1/" in line:
+            return proc
+        assert time.monotonic() < deadline, "no epoch line"
+    proc.wait()
+    pytest.fail(f"dpgs train ended before its first epoch: {proc.stderr.read()}")
+
+
+@pytest.mark.parametrize("mode, sig", [("packed", signal.SIGTERM), ("classic", signal.SIGINT)])
+def test_signal_marks_run_killed_keeps_checkpoints_and_exits_128_plus_signal(bags, tmp_path, capsys,
+                                                                             mode, sig):
+    out = tmp_path / "run"
+    proc = start_training(bags, out, f"train.mode={mode}", "train.epochs=100000")
+    try:
+        if sig == signal.SIGTERM:  # meanwhile, a second run into the same directory is refused
+            assert main(cli_args(bags, out, "train.mode=packed", "train.epochs=1")) == 2
+            assert f"pid {proc.pid} on host {socket.gethostname()}" in capsys.readouterr().err
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig
+    assert f"dpgs train: interrupted by {signal.Signals(sig).name}" in err
+    assert "Traceback" not in err
+    assert torch.load(out / "last.pt", weights_only=True) and (out / "best.pt").is_file()
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name or p.name == LOCK_NAME]
+    (run,) = runs_in(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "KILLED"
+    assert run.data.tags["dpgs.error"] == f"interrupted by {signal.Signals(sig).name}"
+
+
+@pytest.mark.slow
+def test_sigterm_in_dpgs_mode_marks_run_killed_and_keeps_the_checkpoint(bags, tmp_path):
+    out = tmp_path / "run"
+    proc = start_training(bags, out, "train.mode=dpgs", "dpgs.workers=2", "train.epochs=100000",
+                          "dpgs.object_store_gb=0.2")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "dpgs train: interrupted by SIGTERM" in err
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert checkpoint["driver"]["epoch"] >= 2
+    (run,) = runs_in(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "KILLED"
+
+
+@pytest.mark.slow
+def test_dpgs_resume_refuses_a_changed_lr_then_continues_with_more_epochs(ray_cluster, bags, tmp_path,
+                                                                         capsys):
+    out = tmp_path / "run"
+    args = cli_args(bags, out, "train.mode=dpgs", "dpgs.workers=2", "train.epochs=2")
+    assert main(args) == 0
+    config_before = (out / "config.yaml").read_bytes()
+    assert main([*args, "train.lr=0.5", "--resume", str(out)]) == 2
+    assert "train.lr: 0.0002 -> 0.5" in capsys.readouterr().err
+    assert (out / "config.yaml").read_bytes() == config_before
+    assert main([*args, "train.epochs=3", "--resume", str(out)]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [int(r.split(",")[0]) for r in (out / "metrics.csv").read_text().splitlines()[1:]] == [1, 2, 3]
+    assert main(["eval", str(out), "--split", "test"]) == 0
+    assert {r.info.status for r in runs_in(f"sqlite:///{tmp_path / 'mlflow.db'}")} == {"FINISHED"}
