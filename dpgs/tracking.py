@@ -20,6 +20,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from dpgs.errors import RunFailure
+from dpgs.runwatch import WATCHER
 
 PARAM_VALUE_LIMIT = 6000
 BATCH_LIMIT = 100
@@ -59,6 +60,7 @@ class RunTracker:
         except MlflowException as err:
             reason = err.message.strip()
             raise TrackingError(f"tracking.uri={uri}: cannot start an MLflow run ({reason})") from None
+        WATCHER.watch_run(uri, run.info.run_id)  # ended FAILED if this process dies without ending it
         return cls(client, run.info.run_id)
 
     def log_params(self, params: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ and what checkpoints save and evaluation reads.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from dpgs.distributed.channel import Channel, ChannelBroken, Rendezvous, free_ad
 from dpgs.distributed.messages import MASTER_RANK, ChunkPlan, ChunkResult, FoldStart, ReplicaState
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import DeltaSync, step_sync
+from dpgs.outputs import save_torch_atomically
 
 CHECKPOINT_FORMAT = 2
 
@@ -115,17 +115,11 @@ class Master:
         return self.replica.version
 
     def save_checkpoint(self, path: str, driver: dict, workers: list) -> str:
-        """Write ``{"master", "driver", "workers"}`` to ``path`` atomically (temporary file, then rename);
+        """Write ``{"master", "driver", "workers"}`` to ``path`` atomically (``dpgs.outputs``);
         ``workers``: each worker's error-feedback state (None in dense mode)."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-        try:
-            torch.save({"master": self.state_dict(), "driver": driver, "workers": workers}, tmp)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return str(target)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return str(save_torch_atomically({"master": self.state_dict(), "driver": driver, "workers": workers},
+                                         path))
 
     def ping(self) -> int:
         return os.getpid()

@@ -30,6 +30,8 @@ from ray.util.placement_group import (
 
 from dpgs.config.schema import DpgsConfig
 from dpgs.errors import RunFailure
+from dpgs.interrupts import keep_signal_handlers
+from dpgs.runwatch import WATCHER
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -77,13 +79,15 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
 
 
 def connect(cfg: DpgsConfig) -> None:
-    """Start or join Ray (no-op when this process is already connected)."""
+    """Start or join Ray (no-op when this process is already connected). ``ray.init`` installs its own
+    SIGTERM handler; dpgs keeps its own (``dpgs.interrupts``), so a signal still ends the run cleanly."""
     if ray.is_initialized():
         return
     if cfg.address:
         _probe(cfg.address)
         try:
-            ray.init(address=cfg.address, log_to_driver=True)
+            with keep_signal_handlers():
+                ray.init(address=cfg.address, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise ClusterError(
                 f"dpgs.address={cfg.address}: no Ray cluster found ({err}). Start one with "
@@ -93,13 +97,16 @@ def connect(cfg: DpgsConfig) -> None:
     store = int(cfg.object_store_gb * (1 << 30)) if cfg.object_store_gb else _default_object_store_bytes()
     print("[dpgs] starting a local Ray instance for this run (dpgs.address unset; --address auto joins a "
           "running cluster)", flush=True)
-    ray.init(
-        address="local",
-        num_cpus=os.cpu_count(),
-        include_dashboard=cfg.dashboard,
-        object_store_memory=store,
-        log_to_driver=True,
-    )
+    with keep_signal_handlers():
+        context = ray.init(
+            address="local",
+            num_cpus=os.cpu_count(),
+            include_dashboard=cfg.dashboard,
+            object_store_memory=store,
+            log_to_driver=True,
+        )
+    # stopped by the run watcher if Ray itself ends this process (raylet or GCS death)
+    WATCHER.watch_ray_session(Path(context.address_info["session_dir"]).name)
 
 
 @dataclass

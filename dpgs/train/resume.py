@@ -45,6 +45,7 @@ RESUMABLE_KEYS = (
     "data.read_threads",
     "dpgs.resume",
     "dpgs.address",
+    "dpgs.transport",
     "dpgs.dashboard",
     "dpgs.object_store_gb",
     "dpgs.call_timeout_s",

@@ -1,0 +1,117 @@
+"""A watcher process that ends a training command's MLflow runs when the command itself cannot.
+
+Some failures end the driver process without running any Python: Ray's core worker terminates the
+process when the local raylet dies or the GCS stays unreachable (exit code 1), and SIGKILL or the OOM
+killer end it outright. The runs it had started would stay RUNNING forever, and a local Ray instance it
+had started would leave its processes behind.
+
+``dpgs train`` therefore starts one small watcher (``python -m dpgs.runwatch``) connected by a pipe and
+tells it, line by line, which MLflow runs it starts (``run URI RUN_ID``) and which local Ray session it
+started (``session NAME``). The watcher ignores SIGINT and SIGTERM (the driver handles those itself) and
+waits for the pipe to close, which happens however the driver ends. Then, for every run still RUNNING,
+it marks it FAILED with the ``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an
+abnormal end it also stops the processes of the local Ray session the driver had started (never those of
+a cluster joined with ``--address``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+REASON = ("the dpgs train process ended without closing its MLflow run (killed, out of memory, or ended "
+          "by Ray when its raylet or GCS died)")
+
+
+class RunWatcher:
+    """The driver's end of the pipe (one per process, started on first use)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "dpgs.runwatch"], stdin=subprocess.PIPE, text=True,
+                    start_new_session=True,  # a Ctrl-C or a kill of the driver's process group spares it
+                )
+            try:
+                self._proc.stdin.write(line + "\n")
+                self._proc.stdin.flush()
+            except OSError:  # the watcher is gone: the driver goes on, unwatched
+                pass
+
+    def watch_run(self, tracking_uri: str, run_id: str) -> None:
+        self._send(f"run {tracking_uri} {run_id}")
+
+    def watch_ray_session(self, session_name: str) -> None:
+        self._send(f"session {session_name}")
+
+
+WATCHER = RunWatcher()
+
+
+def _ray_session_pids(session_name: str) -> list[int]:
+    """Processes whose command line names the Ray session (its GCS, raylet, agents and workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if session_name in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _end_runs(runs: list[tuple[str, str]]) -> int:
+    """Mark the runs still RUNNING as FAILED; returns how many."""
+    from mlflow.tracking import MlflowClient
+
+    ended = 0
+    for uri, run_id in runs:
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            if client.get_run(run_id).info.status != "RUNNING":
+                continue
+            client.set_tag(run_id, "dpgs.error", REASON)
+            client.set_terminated(run_id, status="FAILED")
+            ended += 1
+        except Exception as err:  # noqa: BLE001 - a watcher reports, it never raises
+            print(f"[dpgs] run watcher: could not end MLflow run {run_id}: {err}", file=sys.stderr)
+    return ended
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    runs: list[tuple[str, str]] = []
+    sessions: list[str] = []
+    for line in sys.stdin:  # until the driver's end of the pipe closes
+        kind, _, rest = line.strip().partition(" ")
+        if kind == "run":
+            uri, _, run_id = rest.rpartition(" ")
+            runs.append((uri, run_id))
+        elif kind == "session":
+            sessions.append(rest)
+    if _end_runs(runs):
+        print(f"dpgs train: error: {REASON}; its MLflow run was marked FAILED", file=sys.stderr, flush=True)
+        for session in sessions:
+            for pid in _ray_session_pids(session):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""A `dpgs train` process that dies without running Python (SIGKILL, or Ray ending it when its raylet or
+GCS dies) still leaves its MLflow run FAILED with a reason, a `dpgs train: error:` line, and no Ray
+processes of the session it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.dpgs_helpers import write_bags
+
+DPGS = str(Path(sys.executable).with_name("dpgs"))
+
+
+def start_training(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    manifest, feats = write_bags(tmp_path / "data", [5, 40, 3, 17, 60, 2, 9, 30, 12, 4, 25, 8] * 3)
+    cmd = [DPGS, "train", f"data.manifest={manifest}", f"data.features_dir={feats}", "train.epochs=10000",
+           f"train.output_dir={tmp_path / 'run'}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
+           "train.batch_size=4", *overrides]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_epoch(proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        if "epoch 1/" in line:
+            return
+    raise AssertionError(f"training ended before its first epoch: {proc.stderr.read()[-2000:]}")
+
+
+def children(pid: int, name: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", name], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def runs(tmp_path: Path):
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
+    experiment = client.get_experiment_by_name("dpgs")
+    return client.search_runs([experiment.experiment_id])
+
+
+def finish(proc: subprocess.Popen) -> str:
+    _, err = proc.communicate(timeout=180)  # stderr closes once the watcher, which shares it, is done too
+    return err
+
+
+def test_killed_driver_leaves_its_run_failed(tmp_path):
+    proc = start_training(tmp_path, "train.mode=packed")
+    wait_for_epoch(proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    err = finish(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert "dpgs train: error: the dpgs train process ended without closing its MLflow run" in err
+    [run] = runs(tmp_path)
+    assert run.info.status == "FAILED" and "ended without closing" in run.data.tags["dpgs.error"]
+
+
+@pytest.mark.ray
+def test_raylet_death_fails_the_run_and_leaves_no_ray_processes(tmp_path):
+    """Depending on timing, the driver reports the lost master itself (exit 3) or Ray ends the process
+    first (exit 1) and the watcher reports; the run is FAILED with a reason either way."""
+    proc = start_training(tmp_path, "train.mode=dpgs", "dpgs.workers=2", "dpgs.call_timeout_s=30")
+    wait_for_epoch(proc)
+    [gcs] = children(proc.pid, "gcs_server")
+    [raylet] = children(proc.pid, "raylet/raylet")
+    os.kill(raylet, signal.SIGKILL)
+    err = finish(proc)
+    assert proc.returncode in (1, 3), err[-2000:]
+    assert "dpgs train: error:" in err
+    [run] = runs(tmp_path)
+    assert run.info.status == "FAILED" and run.data.tags.get("dpgs.error")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{gcs}"):
+        time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{gcs}"), "the run's GCS outlived it"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_gcs_death_fails_the_run(tmp_path):
+    """Ray ends the driver about 60 s after its GCS died; the watcher then ends the run FAILED."""
+    proc = start_training(tmp_path, "train.mode=dpgs", "dpgs.workers=2")
+    wait_for_epoch(proc)
+    [gcs] = children(proc.pid, "gcs_server")
+    os.kill(gcs, signal.SIGKILL)
+    err = finish(proc)
+    assert proc.returncode == 1
+    assert "dpgs train: error: the dpgs train process ended without closing its MLflow run" in err
+    [run] = runs(tmp_path)
+    assert run.info.status == "FAILED"
