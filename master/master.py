@@ -81,9 +81,12 @@ class Master:
             try:
                 result.steps.append(self.sync.master(self.channel, step, self.replica))
             except ChannelBroken as err:
-                stepped = self.replica.version > step.index  # the update went to some workers only
+                # Not stepped: the live workers wait for this step's update. Stepped (sending failed): the
+                # live workers took the step and, unless it was the chunk's last, send their next part.
+                stepped = self.replica.version > step.index
                 more = position + 1 < len(plan.steps)
-                self.channel.abort(drain=stepped and more)
+                if not stepped or more:
+                    self.channel.abort(drain=stepped)
                 result.interrupted_at = self.replica.version if not stepped or more else None
                 result.reason = str(err)
                 return result

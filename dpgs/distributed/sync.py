@@ -28,7 +28,7 @@ import torch
 
 from dpgs.compression import PayloadError
 from dpgs.config.schema import CompressionConfig, TrainConfig
-from dpgs.distributed.channel import Channel, as_bytes
+from dpgs.distributed.channel import Channel, ChannelBroken, as_bytes
 from dpgs.distributed.codec import DeltaEncoder, GradientDecoder, apply_delta
 from dpgs.distributed.frames import KIND_DELTA, KIND_GRADIENTS, buffers_bytes, decode_frame, encode_frame
 from dpgs.distributed.messages import MasterStep, StepPlan
@@ -166,8 +166,8 @@ class DenseSync:
         state = replica.flat_params()
         if buffers is not None:
             state = torch.cat([state, replica.flat_buffers().float()])
+        replica.version = step.index + 1  # taken, even if sending fails: live workers may have it
         channel.send_down(as_bytes(state))
-        replica.version = step.index + 1
         done = time.perf_counter()
         return MasterStep(
             step.index,
@@ -213,9 +213,16 @@ class GradientsSync:
         merged = None if buffers is None else buffers / step.n_bags
         waited = time.perf_counter()
 
+        broken: list[ChannelBroken] = []
+
         def relay(clip: float) -> int:
+            """Send the frame; a failure is raised only once the master has taken the step too (the live
+            workers take it whatever happens to another one)."""
             frame = encode_frame(KIND_GRADIENTS, step.index + 1, clip, [*payloads, buffers_bytes(merged)])
-            channel.send_down(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
+            try:
+                channel.send_down(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
+            except ChannelBroken as err:
+                broken.append(err)
             return len(frame)
 
         clipping = self.train.grad_clip is not None
@@ -232,6 +239,8 @@ class GradientsSync:
         replica.step(grad, step.lr, clip)  # the workers take the same step meanwhile
         replica.load_buffers(merged)
         replica.version = step.index + 1
+        if broken:
+            raise broken[0]
         done = time.perf_counter()
         dense = 4 * (replica.numel + replica.n_buffers)
         return MasterStep(step.index, step.n_bags, norm, waited - start, decoded - sent, done - relayed,
@@ -271,8 +280,8 @@ class DeltaSync:
         stepped = time.perf_counter()
         delta = self.encoder.update(replica.flat_params(), step.keep_ratio)
         frame = encode_frame(KIND_DELTA, step.index + 1, 1.0, [delta, buffers_bytes(merged)])
+        replica.version = step.index + 1  # taken, even if sending fails: live workers may have it
         channel.send_down(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
-        replica.version = step.index + 1
         done = time.perf_counter()
         dense = 4 * (replica.numel + replica.n_buffers)
         return MasterStep(
