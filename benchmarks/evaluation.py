@@ -22,7 +22,8 @@ Paths:
   how evaluation worked before issue 17). Feature bags are always read whole ([N, D] is small), so for
   them this is the driver path;
 * ``workers``: P = ``--workers`` DPGS worker processes, each scoring a shard, merged on the driver
-  (:func:`evaluate_on_workers`, to be written with the DPGS runtime rewrite).
+  (:func:`workers_evaluation`; the pool is started before the timing). Memory figures add up the driver
+  and the worker processes.
 
 The data files are read once before the measurements (warm page cache for every path). Each
 measurement runs in a fresh Python process (``--child``): setup (imports, data, model), a warm-up on one
@@ -54,17 +55,17 @@ PATHS = ("driver", "whole-bag", "workers")
 MEASURED = ("seconds", "peak_mib", "growth_mib")
 
 
-def memory_mib(field: str) -> float:
-    """``VmRSS`` (now) or ``VmHWM`` (peak since start or the last reset) of this process, MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def memory_mib(field: str, pid: int | str = "self") -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since start or the last reset) of a process, MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"/proc/self/status has no {field} (the benchmark needs Linux)")
+    raise RuntimeError(f"/proc/{pid}/status has no {field} (the benchmark needs Linux)")
 
 
-def reset_peak_rss() -> None:
-    """Reset this process's ``VmHWM`` to its current RSS (Linux >= 4.0)."""
-    Path("/proc/self/clear_refs").write_text("5")
+def reset_peak_rss(pid: int | str = "self") -> None:
+    """Reset a process's ``VmHWM`` to its current RSS (Linux >= 4.0)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 # ---------------------------------------------------------------------- data and configs (parent process)
@@ -106,15 +107,32 @@ def tile_config(work: Path, args) -> Path:
 # ---------------------------------------------------------------------- one measurement (child process)
 
 
-def evaluate_on_workers(config, data, indices: list[int], protocol, workers: int):
-    """LEAD: score ``indices`` on ``workers`` DPGS worker actors and merge on the driver.
+def workers_evaluation(config, data, model, indices: list[int], protocol, workers: int):
+    """A DPGS worker pool of ``workers`` actors (started and warmed up here, outside the timing) and the
+    call that scores ``indices`` on it: ``WorkerPool.evaluate`` ships the weights, each worker scores its
+    shard (balanced by instance counts) with ``score_bags``, the driver merges. Returns (call, pids of
+    the worker processes)."""
+    import ray
 
-    Each worker runs ``dpgs.train.evaluate.score_bags(model, its eval dataset, its shard, protocol,
-    device)`` with the driver's weights; the driver returns ``Predictions.merge(shards, indices)``.
-    Time the whole call (shipping weights, scoring, returning predictions) and add the workers' peak
-    RSS to the driver's (``ru_maxrss`` of each actor process).
-    """
-    raise NotImplementedError("P-worker evaluation arrives with the DPGS runtime rewrite")
+    from dpgs.distributed.pool import WorkerPool
+    from dpgs.modeling import ModelSpec
+    from dpgs.train.evaluate import EvalProtocol
+
+    config = config.model_copy(update={
+        "train": config.train.model_copy(update={"mode": "dpgs"}),
+        "dpgs": config.dpgs.model_copy(update={"workers": workers}),
+    })
+    in_dim = None if config.model.encoder else data.dataset.feature_dim
+    spec = ModelSpec(config.model, in_dim, len(data.manifest.classes))
+    pool = WorkerPool(config, spec, data.dataset)
+    state, lengths = model.state_dict(), data.eval_dataset.lengths()
+
+    def on_driver(shard):
+        raise RuntimeError(f"a worker failed while scoring {shard}")
+
+    pool.evaluate(state, indices[:workers], EvalProtocol(1, 1, 0), lengths, on_driver)  # warm-up
+    pids = ray.get([w.ping.remote() for w in pool.workers])
+    return (lambda: pool.evaluate(state, indices, protocol, lengths, on_driver)), pids
 
 
 def measure(spec: dict) -> dict:
@@ -136,19 +154,23 @@ def measure(spec: dict) -> dict:
     protocol = EvalProtocol.sampled(spec["sample_k"], spec["repeats"], 0)
     source = WholeBags(data.eval_dataset) if spec["path"] == "whole-bag" else data.eval_dataset
     score_bags(model, source, indices[:1], EvalProtocol(1, 1, 0), device)  # warm-up on one instance
-    peak_setup = memory_mib("VmHWM")
-    reset_peak_rss()
-    before = memory_mib("VmRSS")
-    start = time.perf_counter()
+    pids: list[int] = []
     if spec["path"] == "workers":
-        evaluate_on_workers(config, data, indices, protocol, spec["workers"])
+        evaluate, pids = workers_evaluation(config, data, model, indices, protocol, spec["workers"])
     else:
-        score_bags(model, source, indices, protocol, device)
+        evaluate = lambda: score_bags(model, source, indices, protocol, device)  # noqa: E731
+    processes = ["self", *pids]  # the workers' memory counts too: it is host memory of the same machine
+    peak_setup = sum(memory_mib("VmHWM", p) for p in processes)
+    for p in processes:
+        reset_peak_rss(p)
+    before = sum(memory_mib("VmRSS", p) for p in processes)
+    start = time.perf_counter()
+    evaluate()
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     lengths = data.eval_dataset.tile_counts() if config.data.kind == "tiles" else data.dataset.lengths()
-    peak_eval = memory_mib("VmHWM")
+    peak_eval = sum(memory_mib("VmHWM", p) for p in processes)
     return {"bags": len(indices), "instances": sum(lengths[i] for i in indices), "seconds": seconds,
             "peak_mib": max(peak_setup, peak_eval), "growth_mib": peak_eval - before}
 
