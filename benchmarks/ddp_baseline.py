@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dpgs.config import load_config
-from dpgs.data import load_experiment_data
 from dpgs.distributed.assignment import assign_lpt
+from dpgs.experiment import load_experiment_data
 from dpgs.metrics import classification_metrics
 from dpgs.modeling import ModelSpec
 from dpgs.train.batching import epoch_batches

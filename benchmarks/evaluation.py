@@ -140,7 +140,7 @@ def measure(spec: dict) -> dict:
     import torch
 
     from dpgs.config import load_config
-    from dpgs.data import load_experiment_data
+    from dpgs.experiment import load_experiment_data
     from dpgs.modeling import ModelSpec, resolve_device
     from dpgs.train.evaluate import EvalProtocol, WholeBags, score_bags
 

@@ -109,8 +109,8 @@ def _tile_data(root, tile: int, tiles: int, n_slides: int):
 def _dpgs_step(paths, out, g: int, bags: int, steps: int, cpus: int) -> tuple[float, dict]:
     """Median step seconds of a P=1 DPGS run with ``g`` ranks per worker (1: a BagWorker)."""
     from dpgs.config import load_config
-    from dpgs.data import load_experiment_data
     from dpgs.distributed.session import DpgsSession
+    from dpgs.experiment import load_experiment_data
     from dpgs.modeling import ModelSpec
     from dpgs.train.engine import FoldSetup
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dpgs.config import load_config
-from dpgs.data import load_experiment_data
+from dpgs.experiment import load_experiment_data
 from dpgs.train.engine import FoldSetup
 
 

@@ -33,3 +33,24 @@ def test_roles_install_under_dpgs():
 
     assert Path(dpgs.master.__file__).resolve().parent == ROOT / "master"
     assert Path(dpgs.workers.__file__).resolve().parent == ROOT / "workers"
+
+
+def imported_modules(package: str) -> set[str]:
+    """Every ``dpgs...`` module that the modules of ``package`` import (at module level or inside functions)."""
+    import ast
+
+    found = set()
+    for path in (ROOT / Path(*package.split("."))).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dpgs"):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("dpgs"))
+    return found
+
+
+def test_no_import_cycles_between_the_layers():
+    """The trainer knows engines by protocol only; feature bags know nothing of slides (dpgs.runner and
+    dpgs.experiment sit above both)."""
+    assert not {m for m in imported_modules("dpgs.train") if m.startswith("dpgs.distributed")}
+    assert not {m for m in imported_modules("dpgs.data") if m.startswith("dpgs.wsi")}

@@ -98,7 +98,7 @@ class Cohort:
 def load_data(ref, cohort: Cohort):
     """(config with the cohort's data options, experiment data in the run's class order)."""
     from dpgs.config import load_config
-    from dpgs.data import load_experiment_data
+    from dpgs.experiment import load_experiment_data
 
     config = load_config(ref.run_dir / "config.yaml", list(cohort.overrides))
     data = load_experiment_data(config.data, seed=config.seed, classes=ref.classes(),

@@ -125,7 +125,8 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     """Evaluation protocols (docs/evaluation.md): test on all instances and, with ``sample_k``, also on K
     sampled instances x ``repeats``; validation (checkpoint selection) on all instances or, with
-    ``val_sample_k``, on K sampled instances x ``val_repeats``; bootstrap intervals of test metrics."""
+    ``val_sample_k``, on K sampled instances x ``val_repeats``; bootstrap intervals of test metrics; BatchNorm
+    calibration of trained tile encoders before evaluation (``bn_calibration_bags``)."""
 
     sample_k: int | None = Field(None, ge=1, description="also test with K sampled instances per bag")
     repeats: int = Field(5, ge=1, description="repetitions of the sampled test protocol")
@@ -137,6 +138,10 @@ class EvalConfig(Section):
         1000, ge=0, description="stratified bootstrap resamples for test confidence intervals (0: none)"
     )
     ci_level: float = Field(0.95, gt=0, lt=1, description="confidence level of the bootstrap intervals")
+    bn_calibration_bags: int = Field(
+        64, ge=0, description="trained tile encoders: recompute BatchNorm running statistics on this many "
+        "training bags before each evaluation (dpgs.train.calibration; 0: off)"
+    )
 
 
 class TrackingConfig(Section):

@@ -68,24 +68,19 @@ def _select_splits(manifest: Manifest, data_cfg: Any, seed: int) -> list[Split]:
     return [manifest_split(manifest)]
 
 
-def load_experiment_data(
+def load_feature_experiment(
     data_cfg: Any,
     seed: int = 0,
     classes: list[str] | None = None,
     with_splits: bool = True,
     check_values: bool = True,
 ) -> ExperimentData:
-    """Manifest, dataset and splits of ``data_cfg`` (a :class:`dpgs.config.schema.DataConfig`).
-
-    ``data.kind=tiles`` is delegated to :func:`dpgs.wsi.experiment.load_tile_experiment`.
+    """Manifest, dataset and splits of ``data_cfg`` with ``data.kind=features`` (tile bags:
+    :func:`dpgs.wsi.experiment.load_tile_experiment`; either: :func:`dpgs.experiment.load_experiment_data`).
 
     ``classes`` forces the class order (evaluation of a saved model); ``with_splits=False`` skips split
     construction (``splits`` is then empty). Raises :class:`DataValidationError` with every problem.
     """
-    if data_cfg.kind == "tiles":
-        from dpgs.wsi.experiment import load_tile_experiment
-
-        return load_tile_experiment(data_cfg, seed=seed, classes=classes, with_splits=with_splits)
     if data_cfg.kind != "features":
         raise ValueError(f"data.kind={data_cfg.kind!r}: expected features or tiles")
     if data_cfg.manifest is None or data_cfg.features_dir is None:

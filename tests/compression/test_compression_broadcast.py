@@ -92,7 +92,7 @@ def test_apply_payload_rejects_wrong_kind_numel_and_first_delta():
     with pytest.raises(PayloadError, match="numel mismatch"):
         apply_payload(torch.zeros(99), delta, 1)
     gradient = TopKCompressor(0.1).compress(torch.randn(100))
-    with pytest.raises(PayloadError, match="a gradient payload where a delta or snapshot payload is expected"):
+    with pytest.raises(PayloadError, match="a gradient payload where a delta or snapshot payload is"):
         apply_payload(torch.zeros(100), gradient, 0)
 
 

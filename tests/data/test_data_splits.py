@@ -10,9 +10,9 @@ from dpgs.data import (
     SlideRecord,
     clam_splits,
     kfold_splits,
-    load_experiment_data,
     manifest_split,
 )
+from dpgs.experiment import load_experiment_data
 from tests.data_helpers import write_csv, write_h5
 
 

@@ -10,12 +10,12 @@ from dpgs.data import (
     DataValidationError,
     bag_info,
     check_inputs,
-    load_experiment_data,
     load_manifest,
     read_bag,
     validate_inputs,
 )
 from dpgs.data.readers import iter_feature_chunks
+from dpgs.experiment import load_experiment_data
 from tests.data_helpers import write_csv, write_h5, write_pt
 
 

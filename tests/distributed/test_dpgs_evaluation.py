@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpgs.data import load_experiment_data
+from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.train.evaluate import ALL_INSTANCES, EvalProtocol, score_bags
 from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
@@ -42,16 +42,17 @@ def test_worker_evaluation_of_feature_bags_equals_the_driver(ray_cluster, tmp_pa
                                     score_bags(reference, data.dataset, order, protocol, torch.device("cpu")))
         other = {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}  # explicit weights
         reference.load_state_dict(other)
-        assert_same_predictions(engine.evaluate(order, ALL_INSTANCES, other),
-                                score_bags(reference, data.dataset, order, ALL_INSTANCES, torch.device("cpu")))
+        driver = score_bags(reference, data.dataset, order, ALL_INSTANCES, torch.device("cpu"))
+        assert_same_predictions(engine.evaluate(order, ALL_INSTANCES, other), driver)
 
 
 def test_worker_evaluation_of_tile_bags_equals_the_driver(ray_cluster, tmp_path):
     """The workers hold the training dataset (6 tiles sampled per bag, augmentation on); evaluation reads
     every tile (or the protocol's K) without augmentation, like the driver's evaluation dataset."""
     slides = write_tiled_slides(tmp_path / "slides", n_slides=6)
-    config = tile_config(*slides, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "train.optimizer=sgd",
-                         "train.lr=0.05", "data.augment.enabled=true", "model.embed_chunk=8")
+    config = tile_config(*slides, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "train.optimizer=sgd", "train.lr=0.05", "data.augment.enabled=true",
+                         "model.embed_chunk=8")
     data = load_experiment_data(config.data, seed=0)
     spec = ModelSpec(config.model, None, 2)
     torch.manual_seed(0)

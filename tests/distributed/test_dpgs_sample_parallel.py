@@ -13,11 +13,11 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from dpgs.workers.group import check_layout, replica_names, spatial_spec, tilemil_names
 
 from dpgs.config import load_config
 from dpgs.config.schema import ModelConfig
-from dpgs.data import load_experiment_data
-from dpgs.workers.group import check_layout, replica_names, spatial_spec, tilemil_names
+from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.spatial.partition import Grid, Partition
 from dpgs.spatial.rank import RankState
@@ -200,7 +200,8 @@ def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_clu
     def capture(eng, epoch, step):  # chunks of one step (dpgs.checkpoint_every=1)
         captured.append(_float_state(eng.state_dict()))
 
-    with dpgs_engine(config, spec, _start_model(spec, config.seed), data.dataset, data.splits[0].train) as engine:
+    start = _start_model(spec, config.seed)
+    with dpgs_engine(config, spec, start, data.dataset, data.splits[0].train) as engine:
         pid = ray.get(engine.pool.workers[0].ping.remote())  # asked now: during a step the actor is busy
 
         def kill_coordinator(pool):

@@ -111,7 +111,8 @@ def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bag
         assert torch.equal(r.params, master.params)
         if downlink == "gradients":
             for a, b in zip(r.optimizer["state"].values(), master.optimizer["state"].values(), strict=True):
-                assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(a[key], b[key])
     epoch = stats[1]
     assert epoch["compression_ratio"] > 5
     total = epoch["comm_bytes_up"] + epoch["comm_bytes_down"]
@@ -123,7 +124,8 @@ def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bag
 def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, tmp_path):
     """SIGKILL a worker while the chunk runs: the epoch completes, every bag counts once (exact result),
     one restart is counted, and all replicas end equal to the master."""
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "dpgs.call_timeout_s=60",
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.call_timeout_s=60",
                          *EXACT, *DENSE)
     data = experiment_data(config)
     batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
@@ -145,7 +147,8 @@ def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, t
 def test_restarted_worker_starts_with_an_empty_residual(ray_cluster, bags, tmp_path):
     """With compression, a restarted worker's error-feedback residual is lost (documented): the survivor
     keeps its own, the restarted one's is zero until its next step, and training goes on."""
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "dpgs.call_timeout_s=60",
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.call_timeout_s=60",
                          "dpgs.compression.keep_ratio=0.05")
     data = experiment_data(config)
     spec, model = start(config, data)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dpgs.master import Master
 
 from dpgs.config import load_config
 from dpgs.distributed.channel import ChannelBroken
 from dpgs.distributed.codec import GradientEncoder
 from dpgs.distributed.messages import ChunkPlan, FoldStart, StepPlan
 from dpgs.distributed.sync import contribution
-from dpgs.master import Master
 from dpgs.modeling import ModelSpec
 
 

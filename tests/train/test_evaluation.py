@@ -10,7 +10,7 @@ import pytest
 import torch
 from sklearn.metrics import roc_auc_score
 
-from dpgs.data import load_experiment_data
+from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
 from dpgs.train.evaluate import ALL_INSTANCES, EvalProtocol, Predictions, score_bags, slide_key

@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from dpgs.cli import main
-from dpgs.data import load_experiment_data
+from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
 from tests.dpgs_helpers import make_config, write_bags

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dpgs.config import ConfigError
-from dpgs.data import DataValidationError, load_experiment_data
+from dpgs.data import DataValidationError
+from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
 from dpgs.train.engine import LocalEngine

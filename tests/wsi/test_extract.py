@@ -15,7 +15,7 @@ import torch
 
 from dpgs.cli import main
 from dpgs.config import load_config, save_config
-from dpgs.data import load_experiment_data
+from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.models import build_head
 from dpgs.models.tilemil import TileMIL
