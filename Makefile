@@ -22,11 +22,11 @@ test: $(STAMP)
 	$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-# The demo: digits bags, then the same ABMIL trained two ways and compared side by side:
+# The demo: 1000 digits bags, then the same ABMIL trained two ways and compared side by side:
 # `classic` (one bag per step, what CLAM-style repos do) and DPGS on Ray (2 virtual nodes,
-# B=16 bags per step, gradients compressed to 1%). Results go to MLflow (./mlflow.db).
+# B=16 bags per step, gradients compressed to 1%, the built-in defaults). Results go to MLflow (./mlflow.db).
 demo: $(STAMP)
-	$(VENV)/bin/dpgs demo-data demo_data --bags 400 --seed 0
+	$(VENV)/bin/dpgs demo-data demo_data --bags 1000 --seed 0
 	$(VENV)/bin/dpgs train --config configs/demo.yaml train.mode=classic tracking.run_name=classic \
 		train.output_dir=runs/demo-classic
 	$(VENV)/bin/dpgs train --config configs/demo-dpgs.yaml tracking.run_name=dpgs-P2-B16-keep1pct
@@ -35,10 +35,11 @@ demo: $(STAMP)
 	@echo "MLflow results: sqlite:///mlflow.db (experiment dpgs-demo)"
 	@echo "open them with: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then http://127.0.0.1:5000)"
 
-# Tile bags end to end: synthetic slides, tissue tiles, ResNet-18 (big layers) + ABMIL trained by DPGS
-# (2 workers, encoder + head gradients compressed to 1%), then the frozen-encoder baseline, compared.
+# Tile bags end to end: 100 synthetic slides (60 train / 20 val / 20 test), tissue tiles, ResNet-18 (big
+# layers) + ABMIL trained by DPGS (2 workers, B=16, encoder + head gradients compressed to 1%), then the
+# frozen-encoder baseline, compared.
 demo-tiles: $(STAMP)
-	$(VENV)/bin/dpgs demo-data demo_slides --kind slides --bags 20 --seed 0
+	$(VENV)/bin/dpgs demo-data demo_slides --kind slides --bags 100 --seed 0
 	$(VENV)/bin/dpgs tile demo_slides/slides demo_slides/tiles --tile-size 32 --level 1
 	$(VENV)/bin/dpgs train --config configs/tiles-demo.yaml tracking.run_name=end-to-end
 	$(VENV)/bin/dpgs train --config configs/tiles-demo.yaml model.freeze_encoder=true \

@@ -38,11 +38,12 @@ PHASES = [
 ]
 
 
-def dpgs_row(keep: float, batch_lr: str) -> list[str]:
+def dpgs_row(keep: float, batch_lr: str, downlink: str = "gradients") -> list[str]:
     compressed = keep < 1.0
     return ["train.mode=dpgs", "dpgs.workers=2", batch_lr, f"dpgs.compression.keep_ratio={keep}",
             f"dpgs.compression.value_dtype={'fp16' if compressed else 'fp32'}",
-            "dpgs.compression.dense_min_numel=1024"]
+            "dpgs.compression.dense_min_numel=1024", f"dpgs.compression.downlink={downlink}",
+            "dpgs.compression.warmup_epochs=0"]  # every epoch at the row's keep ratio
 
 
 def steady(history: list[dict], key: str) -> float:
@@ -60,14 +61,16 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     batch_lr = f"train.lr={args.lr}"
-    common = [f"train.epochs={args.epochs}", f"train.batch_size={args.batch_size}", "eval.sample_k=null"]
-    dpgs_runs = [(f"DPGS P=2 keep {keep:.1%}", keep) for keep in (1.0, 0.01, 0.001)]
+    common = [f"train.epochs={args.epochs}", f"train.batch_size={args.batch_size}", "eval.sample_k=null",
+              "train.lr_scaling=none"]  # every row steps at --lr
+    dpgs_runs = [(f"DPGS P=2 keep {keep:.1%}", keep, "gradients") for keep in (1.0, 0.01, 0.001)]
+    dpgs_runs.append(("DPGS P=2 keep 1.0%, downlink=delta", 0.01, "delta"))
     names = ["packed (1 process)", "DDP P=2, per-bag loop", "DDP P=2, packed per rank"]
-    names += [n for n, _ in dpgs_runs]
+    names += [n for n, *_ in dpgs_runs]
     epoch_s: dict[str, list[float]] = {n: [] for n in names}
     test_auc: dict[str, list[float]] = {n: [] for n in names}
-    phases: dict[str, dict[str, list[float]]] = {n: {k: [] for _, k in PHASES} for n, _ in dpgs_runs}
-    kib: dict[str, list[float]] = {n: [] for n, _ in dpgs_runs}
+    phases: dict[str, dict[str, list[float]]] = {n: {k: [] for _, k in PHASES} for n, *_ in dpgs_runs}
+    kib: dict[str, list[float]] = {n: [] for n, *_ in dpgs_runs}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         manifest = demo_manifest(work, args.bags)
@@ -80,8 +83,8 @@ def main(argv=None) -> int:
                 d = run_ddp([*data, *common, batch_lr], workers=2, style=style)
                 epoch_s[name].append(steady(d["history"], "train_seconds"))
                 test_auc[name].append(d["test"].get("test_auc", float("nan")))
-            for name, keep in dpgs_runs:
-                r = run(manifest, work, f"{name}-{repeat}", *common, *dpgs_row(keep, batch_lr))
+            for name, keep, downlink in dpgs_runs:
+                r = run(manifest, work, f"{name}-{repeat}", *common, *dpgs_row(keep, batch_lr, downlink))
                 epoch_s[name].append(r["train_s"])
                 test_auc[name].append(r["test"].get("test_auc", float("nan")))
                 for _, key in PHASES:
@@ -96,9 +99,9 @@ def main(argv=None) -> int:
             for n in names]
     table = markdown(["run", "train s/epoch (median)", "vs DDP loop", "vs DDP packed", "test AUC",
                       "KiB per step (up+down)"], rows)
-    phase_rows = [[label] + [fmt(1e3 * statistics.median(phases[n][key]), ".2f") for n, _ in dpgs_runs]
+    phase_rows = [[label] + [fmt(1e3 * statistics.median(phases[n][key]), ".2f") for n, *_ in dpgs_runs]
                   for label, key in PHASES]
-    header = ["phase (ms per step, median of run means)"] + [n for n, _ in dpgs_runs]
+    header = ["phase (ms per step, median of run means)"] + [n for n, *_ in dpgs_runs]
     phase_table = markdown(header, phase_rows)
     emit(
         f"Demo bags: {args.bags}, ABMIL, {args.epochs} epochs, B={args.batch_size}, lr {args.lr}, "

@@ -1,39 +1,35 @@
-"""BatchNorm calibration: eval-mode statistics that match how training normalised the bags.
+"""BatchNorm at evaluation: each bag normalised with its own statistics, as in training.
 
-A trained tile encoder normalises every bag, in training, with that bag's own BatchNorm statistics (one
-encoder pass per bag, :mod:`dpgs.models.tilemil`). Evaluation uses the running statistics instead, an
-exponential moving average (momentum 0.1) of the statistics of the last bags *taken with the weights of
-their steps*: after a few optimizer steps from random weights, or while the weights still move fast, they
-are far from the statistics the current weights produce, the embeddings shift, and accuracy collapses to
-the majority class while AUC may survive.
+A trained tile encoder normalises every bag, in training, with the BatchNorm statistics of that bag's
+tiles (one encoder pass per bag, :mod:`dpgs.models.tilemil`). What the head learns is therefore relative
+to the bag: a tumour tile is recognised against the bag's own mean and variance. Evaluating with running
+statistics instead (an exponential moving average over the last bags, or population statistics
+recomputed over training bags for the current weights, "PreciseBN") changes the representation, and
+measured on the tile demo it inverts the ranking: validation AUC 0.00-0.02 and accuracy 0.40-0.50 with
+the moving average or with statistics recomputed on 8-60 training bags, against AUC 1.00 and accuracy
+1.00 with per-bag statistics, on the same weights (docs/convergence.md).
 
-:class:`BatchNormCalibrator` recomputes them for the current weights (PreciseBN, Wu and Johnson 2021):
+:func:`bag_statistics` gives evaluation the training normalisation while the bag is still read in chunks:
 
-1. every BatchNorm layer that training updates is reset and switched to a cumulative average
-   (``momentum=None``);
-2. the encoder runs in training mode, without gradients, once per calibration bag, on ``K`` tiles of the
-   bag (``data.tiles_per_bag``, the count training normalised with; all tiles when null), a sorted sample
-   drawn from ``numpy.random.default_rng([seed, 0, bag])``, read from the evaluation dataset (no
-   augmentation, as in evaluation);
-3. each layer's running mean is then the mean over the ``n`` bags of the per-bag channel means, and its
-   running variance the mean of the per-bag unbiased channel variances, each layer's input being the
-   previous layers' output under per-bag normalisation, exactly as in training:
+1. every BatchNorm layer that training updates is reset and set to a cumulative average
+   (``momentum=None``), and one training-mode encoder pass without gradients over ``tiles`` (the bag's
+   scored tiles, or an even subset of at most ``model.embed_chunk`` of them, see
+   :func:`statistics_subset`) leaves in each layer the per-channel mean of its input and the unbiased
+   variance, computed by the layer itself; the variance is multiplied by ``(N - 1) / N`` (``N`` values per
+   channel, counted by a forward hook) to the biased variance training-mode BatchNorm normalises with;
+2. inside the ``with`` block those are the layers' running statistics, so eval-mode chunks of any size
+   are normalised as one training-mode pass over ``tiles`` normalises them;
+3. on leaving, the layers' own buffers and momentum are restored.
 
-   ``running_mean = (1/n) sum_b mean_b(x)``,  ``running_var = (1/n) sum_b var_b(x) * N_b / (N_b - 1)``
-
-   with ``N_b`` the values per channel of bag ``b`` at that layer.
-
-The calibration bags are the first ``eval.bn_calibration_bags`` of a seeded shuffle of the fold's training
-bags (the same bags every epoch). Parameters are untouched; only the running statistics (and
-``num_batches_tracked``) of the returned state differ from the input state. Only models with such layers
-are calibrated: a :class:`~dpgs.models.tilemil.TileMIL` whose encoder is trained (a frozen encoder keeps
-its statistics in training too, so training and evaluation already agree), never feature-bag heads.
+When ``tiles`` are all the scored tiles, the embeddings equal those of one training-mode pass over the bag
+(tested). Frozen encoders (``model.freeze_encoder``) keep their running statistics in training too, and
+feature-bag heads have no BatchNorm: for them the block changes nothing.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -41,76 +37,66 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpgs.models.tilemil import TileMIL
-from dpgs.wsi.tiles import sample_indices
 
 
 def trained_batchnorms(model: nn.Module) -> list[_BatchNorm]:
     """BatchNorm layers that normalise with batch statistics in training and track running statistics."""
     was_training = model.training
     model.train()
-    layers = [m for m in model.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    layers = [m for m in model.modules()
+              if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
     model.train(was_training)
     return layers
 
 
-def calibration_bags(train_indices: Sequence[int], count: int, seed: int) -> list[int]:
-    """The first ``count`` of a shuffle of ``train_indices`` seeded by ``seed`` (all when fewer)."""
-    order = np.random.default_rng([seed, 0xBC]).permutation(len(train_indices))
-    return [int(train_indices[i]) for i in order[:count]]
+def statistics_subset(indices: np.ndarray, limit: int) -> np.ndarray:
+    """``indices`` when there are at most ``limit``, else ``limit`` of them evenly spread (tiles are in
+    coordinate order, so the subset covers the whole slide)."""
+    if len(indices) <= limit:
+        return indices
+    return indices[np.linspace(0, len(indices) - 1, limit).round().astype(np.int64)]
 
 
-class BatchNormCalibrator:
-    """``calibrator(state) -> state`` with calibrated running statistics (see the module docstring).
+@contextmanager
+def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[None]:
+    """Within the block, the encoder's trained BatchNorm layers normalise with the statistics of ``tiles``
+    (one bag's tiles, [n, 3, s, s]); see the module docstring."""
+    layers = trained_batchnorms(model)
+    if not layers:
+        yield
+        return
+    encoder = model.encoder
+    counts: dict[_BatchNorm, int] = {}
 
-    Holds its own copy of the model, so neither the training model nor the engine's state is touched.
-    """
+    def count(module: _BatchNorm, args: tuple) -> None:
+        counts[module] = args[0].numel() // args[0].shape[1]  # values per channel
 
-    def __init__(self, model: TileMIL, source, bags: Sequence[int], tiles: int | None, seed: int,
-                 device: torch.device):
-        if not trained_batchnorms(model):
-            raise ValueError("the model has no BatchNorm layer updated in training: nothing to calibrate")
-        if not bags:
-            raise ValueError("BatchNorm calibration needs at least one bag")
-        self.model = copy.deepcopy(model).to(device)
-        self.layers = trained_batchnorms(self.model)
-        self.source = source
-        self.bags = [int(i) for i in bags]
-        self.tiles = tiles
-        self.seed = seed
-        self.device = device
-
-    @classmethod
-    def for_fold(cls, config, model: nn.Module, source, train_indices: Sequence[int],
-                 device: torch.device) -> BatchNormCalibrator | None:
-        """The fold's calibrator, or None when ``eval.bn_calibration_bags`` is 0, there are no training
-        bags, or the model has nothing to calibrate."""
-        count = config.eval.bn_calibration_bags
-        if not count or not train_indices or not isinstance(model, TileMIL) or not trained_batchnorms(model):
-            return None
-        bags = calibration_bags(train_indices, count, config.seed)
-        return cls(model, source, bags, config.data.tiles_per_bag, config.seed, device)
-
-    def _tiles(self, index: int) -> torch.Tensor:
-        with self.source.open_stream(index) as stream:
-            return stream.read(sample_indices(len(stream), self.tiles, self.seed, 0, index))
-
-    @torch.no_grad()
-    def __call__(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        model = self.model
-        model.load_state_dict(state)
-        momenta = [m.momentum for m in self.layers]
-        for m in self.layers:
+    saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone(), m.momentum)
+             for m in layers]
+    was_training = encoder.training
+    hooks = [m.register_forward_pre_hook(count) for m in layers]
+    try:
+        for m in layers:  # after reset, a cumulative average over one pass is that pass's statistics
             m.reset_running_stats()
-            m.momentum = None  # cumulative average over the bags
-        model.eval()
-        encoder = model.encoder
-        encoder.train()
+            m.momentum = None
         try:
-            with torch.autocast(encoder.device.type, dtype=torch.bfloat16, enabled=model.amp):
-                for index in self.bags:
-                    encoder(self._tiles(index))  # one pass per bag: the bag's own statistics
+            encoder.train()
+            with torch.no_grad(), torch.autocast(encoder.device.type, dtype=torch.bfloat16,
+                                                 enabled=model.amp):
+                encoder(tiles)
         finally:
-            for m, momentum in zip(self.layers, momenta, strict=True):
+            for h in hooks:
+                h.remove()
+            encoder.train(was_training)
+        with torch.no_grad():
+            for m in layers:  # the unbiased running variance back to the biased one training divides by
+                n = counts[m]
+                m.running_var.mul_((n - 1) / n)
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (mean, var, tracked, momentum) in zip(layers, saved, strict=True):
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.copy_(tracked)
                 m.momentum = momentum
-            model.eval()
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}

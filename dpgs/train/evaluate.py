@@ -15,9 +15,13 @@ slide on demand; any other :class:`~dpgs.data.dataset.BagSource` (feature bags) 
 :class:`WholeBags`. For a :class:`~dpgs.models.tilemil.TileMIL` the requested instances are read and
 embedded ``model.embed_chunk`` at a time (the next chunk is read on a thread while the current one is
 embedded), only the embeddings [n, D] are kept, and the head then scores the bag; no [n, 3, s, s]
-float32 bag is ever held whole, and the sampled protocol reads only the K tiles of each repeat. In eval
-mode BatchNorm uses running statistics, so the chunked score equals the one-pass score
-``model.loss(tiles, y)`` (to float rounding). The per-bag loss is the head's unweighted loss.
+float32 bag is ever held whole, and the sampled protocol reads only the K tiles of each repeat.
+BatchNorm layers normalise every chunk with fixed statistics, so the chunked score equals a one-pass
+score (to float rounding): a trained encoder's with *the bag's own* statistics, as training normalised
+it (:func:`dpgs.train.calibration.bag_statistics`: from the scored tiles when they fit in one chunk, else
+from ``embed_chunk`` of them evenly spread; one training-mode pass over the bag gives the same score when
+they are all its tiles), a frozen encoder's with its running statistics. The per-bag loss is the head's
+unweighted loss.
 
 **Shards.** ``score_bags`` may run on any process for any subset of bag indices; its
 :class:`Predictions` are merged with :meth:`Predictions.merge` (which restores the requested order),
@@ -49,6 +53,7 @@ import torch
 from dpgs.metrics import CI_METRICS, METRIC_NAMES, bootstrap_ci, classification_metrics
 from dpgs.models.base import MILHead
 from dpgs.models.tilemil import TileMIL
+from dpgs.train.calibration import bag_statistics, statistics_subset, trained_batchnorms
 from dpgs.wsi.tiles import sample_indices
 
 
@@ -245,13 +250,21 @@ def _read_ahead(stream: InstanceStream, pieces: list[np.ndarray], pool: ThreadPo
 
 
 def _embeddings(tile_model: TileMIL | None, stream: InstanceStream, indices: np.ndarray,
-                device: torch.device, pool: ThreadPoolExecutor) -> torch.Tensor:
-    """The head's input [n, D] for the bag's instances ``indices`` (embedded chunk by chunk for tiles)."""
+                device: torch.device, pool: ThreadPoolExecutor, bag_bn: bool) -> torch.Tensor:
+    """The head's input [n, D] for the bag's instances ``indices`` (embedded chunk by chunk for tiles;
+    with ``bag_bn``, BatchNorm normalises with the bag's own statistics, :mod:`dpgs.train.calibration`)."""
     if tile_model is None:
         whole = len(indices) == len(stream)  # sorted distinct indices of every instance: read in place
         return stream.read(None if whole else indices).to(device)
-    pieces = [indices[s : s + tile_model.embed_chunk] for s in range(0, len(indices), tile_model.embed_chunk)]
-    return torch.cat([tile_model.embed(x) for x in _read_ahead(stream, pieces, pool)])
+    chunk = tile_model.embed_chunk
+    if len(indices) <= chunk:  # one read: the bag's statistics and its embeddings from the same tiles
+        tiles = stream.read(indices)
+        with bag_statistics(tile_model, tiles) if bag_bn else contextlib.nullcontext():
+            return tile_model.embed(tiles)
+    pieces = [indices[s : s + chunk] for s in range(0, len(indices), chunk)]
+    with bag_statistics(tile_model, stream.read(statistics_subset(indices, chunk))) if bag_bn \
+            else contextlib.nullcontext():
+        return torch.cat([tile_model.embed(x) for x in _read_ahead(stream, pieces, pool)])
 
 
 def _opened(source: InstanceSource, indices: Sequence[int], pool: ThreadPoolExecutor) -> Iterator:
@@ -277,6 +290,7 @@ def score_bags(model: torch.nn.Module, source: Any, indices: Sequence[int], prot
     under ``protocol``, on this process (see the module docstring)."""
     source = instance_source(source)
     tile_model, head = _parts(model)
+    bag_bn = tile_model is not None and bool(trained_batchnorms(tile_model))  # as the encoder was trained
     indices = [int(i) for i in indices]
     repeats, n_bags, n_classes = protocol.repeats, len(indices), head.num_classes
     probs = np.empty((repeats, n_bags, n_classes), dtype=np.float64)
@@ -297,7 +311,7 @@ def score_bags(model: torch.nn.Module, source: Any, indices: Sequence[int], prot
                     if previous is not None and np.array_equal(picked, previous):
                         probs[r, b], losses[r, b] = probs[r - 1, b], losses[r - 1, b]
                         continue
-                    feats = _embeddings(tile_model, stream, picked, device, reader)
+                    feats = _embeddings(tile_model, stream, picked, device, reader, bag_bn)
                     out = head.loss(feats, torch.as_tensor(int(record.label), device=feats.device))
                     logits = out["logits"].reshape(-1, n_classes)[0]
                     probs[r, b] = torch.softmax(logits.double(), dim=-1).cpu().numpy()

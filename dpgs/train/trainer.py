@@ -8,9 +8,7 @@ Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives ``config.yaml
 ``metrics.csv`` (one row per epoch), ``last.pt`` and ``best.pt`` (plain state_dicts),
 ``training_curves.png`` and ``run.json`` (the MLflow run id, experiment and tracking URI of the fold, so
 ``dpgs heatmap --run DIR`` finds the run to log to). The best epoch maximises (or minimises)
-``train.early_stopping.monitor``; with no validation bags the last epoch is the best. Models with a trained
-BatchNorm encoder are evaluated, and saved, with BatchNorm statistics calibrated for the epoch's weights
-(``eval.bn_calibration_bags``, :mod:`dpgs.train.calibration`).
+``train.early_stopping.monitor``; with no validation bags the last epoch is the best.
 """
 
 from __future__ import annotations
@@ -42,7 +40,6 @@ from dpgs.outputs import (
 from dpgs.plots import plot_training_curves
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
-from dpgs.train.calibration import BatchNormCalibrator
 from dpgs.train.engine import Engine, FoldSetup, Session
 from dpgs.train.evaluate import EvalPlan, validation_protocol
 from dpgs.train.optim import class_weights_for
@@ -145,7 +142,6 @@ class FoldTrainer:
         ))
         setup = FoldSetup(cfg, spec, model, class_weights, self.dataset, train_idx, self.device, self.out_dir,
                           self.eval_dataset)
-        calibrate = BatchNormCalibrator.for_fold(cfg, model, self.eval_dataset, train_idx, self.device)
         with keep_signal_handlers():  # an engine that starts Ray gets Ray's SIGTERM handler: keep ours
             engine: Engine = session.engine(setup)
         monitor, mode = cfg.train.early_stopping.monitor, cfg.train.early_stopping.mode
@@ -175,16 +171,12 @@ class FoldTrainer:
                 batches = epoch_batches(train_idx, batch_size, cfg.seed, epoch)
                 stats = engine.run_epoch(batches, epoch, history)
                 row = {"epoch": epoch, **stats}
-                weights, calibrated = engine.state_dict(), None
-                if calibrate is not None:  # evaluated and saved with statistics of the current weights
-                    calibration_start = time.perf_counter()
-                    weights = calibrated = calibrate(weights)
-                    row["bn_calibration_seconds"] = time.perf_counter() - calibration_start
                 if val_idx:
-                    row.update(engine.evaluate(val_idx, val_protocol, calibrated).metrics("val_"))
+                    row.update(engine.evaluate(val_idx, val_protocol).metrics("val_"))
                 row["epoch_seconds"] = time.perf_counter() - epoch_start
                 row["elapsed_seconds"] = time.perf_counter() - start
                 history.append(row)
+                weights = engine.state_dict()
                 save_torch_atomically(weights, self.out_dir / "last.pt")
                 value = row.get(monitor)
                 improved = is_improvement(value, best_value, mode) if val_idx else True
@@ -205,8 +197,7 @@ class FoldTrainer:
                     print(f"[{self.split.name}] early stopping: no {monitor} improvement for {stale} epochs")
                     break
             if not (self.out_dir / "best.pt").exists():
-                last = engine.state_dict() if calibrate is None else calibrate(engine.state_dict())
-                save_torch_atomically(last, self.out_dir / "best.pt")
+                save_torch_atomically(engine.state_dict(), self.out_dir / "best.pt")
                 best_epoch, best_elapsed = history[-1]["epoch"], history[-1]["elapsed_seconds"]
             best = torch.load(self.out_dir / "best.pt", weights_only=True)
             plan = EvalPlan.from_config(cfg.eval, cfg.seed)

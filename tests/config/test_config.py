@@ -64,10 +64,11 @@ def test_round_trip_and_flatten(tmp_path):
     flat = flatten(config_to_dict(cfg))
     assert flat["dpgs.workers"] == 3
     assert flat["train.mode"] == "dpgs"
-    assert flat["dpgs.compression.keep_ratio"] == 1.0
+    assert flat["dpgs.compression.keep_ratio"] == 0.01
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "demo-dpgs.yaml", "clam-features.yaml", "trident-kfold.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "demo-dpgs.yaml", "tiles-demo.yaml", "clam-features.yaml",
+                                  "trident-kfold.yaml"])
 def test_shipped_configs_validate(name):
     from pathlib import Path
 

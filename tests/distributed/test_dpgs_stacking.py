@@ -267,4 +267,6 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
     run_training(make_config(*bags, tmp_path / "alone", *overrides))
     alone = torch.load(tmp_path / "alone" / "last.pt", weights_only=True)
     second = torch.load(result.folds[1].output_dir / "last.pt", weights_only=True)
-    assert_close(second, alone, 1e-6)
+    # fresh worker processes vs reused ones: float32 kernels may round differently with buffer alignment
+    # (seen at 1.1e-6); state left over from fold 0 (weights, Adam moments, residuals) is orders larger
+    assert_close(second, alone, 1e-5)

@@ -31,8 +31,9 @@ def train_cfg(*overrides: str):
     ],
 )
 def test_lr_scales_with_the_bags_per_optimizer_step(mode, batch, accumulation, scaling, reference, expected):
-    cfg = train_cfg(f"train.mode={mode}", f"train.batch_size={batch}", f"train.accumulation_steps={accumulation}",
-                    f"train.lr_scaling={scaling}", f"train.lr_reference_batch={reference}", "train.lr=1e-3")
+    cfg = train_cfg(f"train.mode={mode}", f"train.batch_size={batch}",
+                    f"train.accumulation_steps={accumulation}", f"train.lr_scaling={scaling}",
+                    f"train.lr_reference_batch={reference}", "train.lr=1e-3")
     assert bags_per_step(cfg) == (1 if mode == "classic" else batch * accumulation)
     assert batch_lr(cfg) == pytest.approx(expected, rel=1e-12)
 
