@@ -28,8 +28,9 @@ def plot_training_curves(history: list[dict[str, float]], path: str | Path, titl
     ax_loss.set_ylabel("loss")
     ax_score.set_xlabel("epoch")
     ax_score.set_ylabel("score")
-    ax_loss.legend()
-    ax_score.legend()
+    for ax in (ax_loss, ax_score):
+        if ax.get_lines():  # (no validation: the score panel is empty)
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     try:

@@ -36,7 +36,7 @@ def test_roles_install_under_dpgs():
 
 
 def imported_modules(package: str) -> set[str]:
-    """Every ``dpgs...`` module that the modules of ``package`` import (at module level or inside functions)."""
+    """Every ``dpgs...`` module that the modules of ``package`` import (module level or inside functions)."""
     import ast
 
     found = set()

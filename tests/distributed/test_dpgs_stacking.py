@@ -21,7 +21,8 @@ pytestmark = pytest.mark.ray
 
 LENGTHS = [1, 1000, 37, 5, 260, 2, 731, 64, 9, 120, 3, 450, 17, 88, 600, 1, 42, 300, 7, 15]
 DENSE = ["dpgs.compression.keep_ratio=1.0"]
-EXACT = ["train.optimizer=sgd", "train.lr=0.5"]  # Adam's first step is lr * sign(g): see test 1's docstring
+# Adam's first step is lr * sign(g): see test 1's docstring; every step at train.lr, whatever its bag count
+EXACT = ["train.optimizer=sgd", "train.lr=0.5", "train.lr_scaling=none"]
 
 
 @pytest.fixture(scope="module")
