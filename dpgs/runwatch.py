@@ -6,9 +6,11 @@ killer end it outright. The runs it had started would stay RUNNING forever, and 
 had started would leave its processes behind.
 
 ``dpgs train`` therefore starts one small watcher (``python -m dpgs.runwatch``) connected by a pipe and
-tells it, line by line, which MLflow runs it starts (``run URI RUN_ID``) and which local Ray session it
-started (``session NAME``). The watcher ignores SIGINT and SIGTERM (the driver handles those itself) and
-waits for the pipe to close, which happens however the driver ends. Then, for every run still RUNNING,
+tells it, line by line, which MLflow runs it starts (``run URI RUN_ID``), which of them it ended itself
+(``ended RUN_ID``) and which local Ray session it started (``session NAME``). The watcher ignores SIGINT and SIGTERM (the driver handles those itself) and
+waits for the pipe to close, which happens however the driver ends. Then, for every run the driver did not
+end whose store still exists (a deleted SQLite file is a store that is gone, not one to recreate) and that
+is still RUNNING,
 it marks it FAILED with the ``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an
 abnormal end it also stops the processes of the local Ray session the driver had started (never those of
 a cluster joined with ``--address``).
@@ -50,6 +52,10 @@ class RunWatcher:
     def watch_run(self, tracking_uri: str, run_id: str) -> None:
         self._send(f"run {tracking_uri} {run_id}")
 
+    def run_ended(self, run_id: str) -> None:
+        if self._proc is not None:
+            self._send(f"ended {run_id}")
+
     def watch_ray_session(self, session_name: str) -> None:
         self._send(f"session {session_name}")
 
@@ -78,6 +84,8 @@ def _end_runs(runs: list[tuple[str, str]]) -> int:
 
     ended = 0
     for uri, run_id in runs:
+        if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+            continue  # the store was deleted (a temporary one): no run left to mark
         try:
             client = MlflowClient(tracking_uri=uri)
             if client.get_run(run_id).info.status != "RUNNING":
@@ -100,6 +108,8 @@ def main() -> int:
         if kind == "run":
             uri, _, run_id = rest.rpartition(" ")
             runs.append((uri, run_id))
+        elif kind == "ended":
+            runs = [(uri, run_id) for uri, run_id in runs if run_id != rest]
         elif kind == "session":
             sessions.append(rest)
     if _end_runs(runs):

@@ -87,6 +87,7 @@ class RunTracker:
 
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+        WATCHER.run_ended(self.run_id)  # ended here: nothing for the watcher to check
 
     def fail(self, error: BaseException) -> None:
         """End the run as KILLED (``error`` is an interrupt: SIGINT, SIGTERM) or FAILED (anything else),

@@ -22,7 +22,8 @@ the moving average or with statistics recomputed on 8-60 training bags, against 
 3. on leaving, the layers' own buffers and momentum are restored.
 
 When ``tiles`` are all the scored tiles, the embeddings equal those of one training-mode pass over the bag
-(tested). Frozen encoders (``model.freeze_encoder``) keep their running statistics in training too, and
+(tested). A bag whose statistics do not exist (a layer sees one value per channel: a single tile small
+enough that the last stage is 1 x 1, where a training-mode pass fails too) keeps the running statistics. Frozen encoders (``model.freeze_encoder``) keep their running statistics in training too, and
 feature-bag heads have no BatchNorm: for them the block changes nothing.
 """
 
@@ -37,6 +38,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpgs.models.tilemil import TileMIL
+
+
+class _NoBagStatistics(Exception):
+    """A BatchNorm layer of the statistics pass sees a single value per channel."""
 
 
 def trained_batchnorms(model: nn.Module) -> list[_BatchNorm]:
@@ -70,6 +75,8 @@ def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[None]:
 
     def count(module: _BatchNorm, args: tuple) -> None:
         counts[module] = args[0].numel() // args[0].shape[1]  # values per channel
+        if counts[module] < 2:
+            raise _NoBagStatistics
 
     saved = [(m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone(), m.momentum)
              for m in layers]
@@ -84,14 +91,21 @@ def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[None]:
             with torch.no_grad(), torch.autocast(encoder.device.type, dtype=torch.bfloat16,
                                                  enabled=model.amp):
                 encoder(tiles)
+            measured = True
+        except _NoBagStatistics:
+            measured = False
         finally:
             for h in hooks:
                 h.remove()
             encoder.train(was_training)
         with torch.no_grad():
-            for m in layers:  # the unbiased running variance back to the biased one training divides by
-                n = counts[m]
-                m.running_var.mul_((n - 1) / n)
+            for m, (mean, var, tracked, _) in zip(layers, saved, strict=True):
+                if measured:  # the unbiased running variance back to the biased one training divides by
+                    n = counts[m]
+                    m.running_var.mul_((n - 1) / n)
+                else:  # no statistics for this bag: the running ones
+                    m.running_mean.copy_(mean)
+                    m.running_var.copy_(var)
         yield
     finally:
         with torch.no_grad():

@@ -90,3 +90,18 @@ def test_statistics_subset_is_an_even_spread():
     assert np.array_equal(statistics_subset(idx, 200), idx)
     sub = statistics_subset(idx, 5)
     assert sub.tolist() == [10, 35, 60, 84, 109] and len(set(sub.tolist())) == 5
+
+
+def test_a_bag_without_statistics_keeps_the_running_ones():
+    """One 32 px tile: ResNet-18's last stage is 1 x 1, one value per channel (a training-mode pass
+    fails); the block scores it with the running statistics instead of failing."""
+    model, tile = tile_model(-1), bag(1)
+    with torch.no_grad():
+        model.encoder.train()
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            model.encoder(tile)
+        model.eval()
+        plain = model.embed(tile)
+        with bag_statistics(model, tile):
+            inside = model.embed(tile)
+    assert torch.equal(plain, inside)

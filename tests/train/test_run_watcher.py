@@ -94,3 +94,20 @@ def test_gcs_death_fails_the_run(tmp_path):
     assert "dpgs train: error: the dpgs train process ended without closing its MLflow run" in err
     [run] = runs(tmp_path)
     assert run.info.status == "FAILED"
+
+
+def test_watcher_leaves_runs_the_driver_ended_and_stores_that_are_gone(tmp_path):
+    """``ended RUN_ID`` takes a run off the watcher's list (the driver closed it, whatever its state
+    now); a SQLite store that was deleted (a temporary one) is neither recreated nor reported."""
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("dpgs")
+    left, ended = (client.create_run(experiment).info.run_id for _ in range(2))
+    gone = tmp_path / "gone" / "m.db"
+    lines = [f"run {uri} {left}", f"run {uri} {ended}", f"ended {ended}", f"run sqlite:///{gone} abc123"]
+    done = subprocess.run([sys.executable, "-m", "dpgs.runwatch"], input="\n".join(lines) + "\n",
+                          capture_output=True, text=True, timeout=120)
+    assert client.get_run(left).info.status == "FAILED"
+    assert client.get_run(ended).info.status == "RUNNING"  # not the watcher's to end
+    assert "could not end" not in done.stderr and "dpgs train: error:" in done.stderr
+    assert not gone.parent.exists()
