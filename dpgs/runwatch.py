@@ -7,13 +7,13 @@ had started would leave its processes behind.
 
 ``dpgs train`` therefore starts one small watcher (``python -m dpgs.runwatch``) connected by a pipe and
 tells it, line by line, which MLflow runs it starts (``run URI RUN_ID``), which of them it ended itself
-(``ended RUN_ID``) and which local Ray session it started (``session NAME``). The watcher ignores SIGINT and SIGTERM (the driver handles those itself) and
-waits for the pipe to close, which happens however the driver ends. Then, for every run the driver did not
-end whose store still exists (a deleted SQLite file is a store that is gone, not one to recreate) and that
-is still RUNNING,
-it marks it FAILED with the ``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an
-abnormal end it also stops the processes of the local Ray session the driver had started (never those of
-a cluster joined with ``--address``).
+(``ended RUN_ID``) and which local Ray session it started (``session NAME``). The watcher ignores SIGINT
+and SIGTERM (the driver handles those itself) and waits for the pipe to close, which happens however the
+driver ends. Then, for every run the driver did not end whose store still exists (a deleted SQLite file
+is a store that is gone, not one to recreate) and that is still RUNNING, it marks it FAILED with the
+``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an abnormal end it also stops the
+processes of the local Ray session the driver had started (never those of a cluster joined with
+``--address``).
 """
 
 from __future__ import annotations

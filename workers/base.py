@@ -159,12 +159,15 @@ class Worker:
         """What this worker holds (tests compare it with the master's)."""
         return self.replica.state()
 
-    def evaluate(self, state: dict, indices: list[int], protocol: EvalProtocol) -> Predictions:
-        """Predictions of a shard of the evaluation bags with the weights ``state`` (scored on a copy of the
-        replica, so training state is untouched; tile bags stream from the slides chunk by chunk)."""
+    def evaluate(self, state: dict | None, indices: list[int], protocol: EvalProtocol) -> Predictions:
+        """Predictions of a shard of the evaluation bags with the weights ``state``, or with the replica's
+        own when None (only where replicas are exact: ``self.sync.exact_replicas``). Scored on a copy of
+        the replica, so training state is untouched; tile bags stream from the slides chunk by chunk."""
+        if state is None and not self.sync.exact_replicas:
+            raise ValueError("this worker's replica is not the master's model: evaluation needs its weights")
         if self.eval_model is None:
             self.eval_model = copy.deepcopy(self.model)
-        self.eval_model.load_state_dict(state)
+        self.eval_model.load_state_dict(self.model.state_dict() if state is None else state)
         return score_bags(self.eval_model, self.reader.dataset, indices, protocol, self.device)
 
     def encoder_state(self) -> dict | None:

@@ -22,6 +22,7 @@ from dpgs.distributed.codec import keep_ratio_at
 from dpgs.distributed.messages import ChunkPlan, FoldStart, StepPlan
 from dpgs.distributed.pool import ChunkReports, MasterFailure, WorkerFailure, WorkerPool
 from dpgs.distributed.resume import CHECKPOINT_NAME
+from dpgs.distributed.sync import step_sync_class
 from dpgs.train.engine import FoldSetup
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
@@ -102,6 +103,7 @@ class DpgsEngine:
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
         self.restarts_before = pool.restarts
+        self.replicas_exact = step_sync_class(self.cfg.compression).exact_replicas
         pool.start_fold(FoldStart(setup.output_dir.name, setup.model.state_dict(), setup.class_weights))
 
     @property
@@ -205,11 +207,14 @@ class DpgsEngine:
         return driver
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
-        """Scored on the workers, shards balanced by the bags' instance counts (module docstring)."""
-        state = self.pool.model_state() if state is None else state
+        """Scored on the workers, shards balanced by the bags' instance counts (module docstring). Without
+        ``state`` (the current weights), workers whose replicas are exactly the master's model (dense and
+        ``downlink=gradients``) score with their own; otherwise the master's weights are sent to them."""
+        if state is None and not self.replicas_exact:
+            state = self.pool.model_state()
 
         def on_driver(shard: list[int]) -> Predictions:
-            self.model.load_state_dict(state)
+            self.model.load_state_dict(self.pool.model_state() if state is None else state)
             return score_bags(self.model, self.eval_dataset, shard, protocol, self.device)
 
         return self.pool.evaluate(state, list(indices), protocol, self.eval_lengths, on_driver)

@@ -243,9 +243,9 @@ class WorkerPool:
     def encoder_states(self) -> list:
         """Each worker's error-feedback state (None for a dead worker and in dense mode)."""
         states = []
-        for w in self.workers:
+        for ref in [w.encoder_state.remote() for w in self.workers]:  # asked of every worker at once
             try:
-                states.append(self._get(w.encoder_state.remote()))
+                states.append(self._get(ref))
             except (RayActorError, GetTimeoutError):
                 states.append(None)
         return states
@@ -263,12 +263,13 @@ class WorkerPool:
         return self.resync()
 
     # ---------------------------------------------------------------- evaluation
-    def evaluate(self, state: dict, indices: list[int], protocol: EvalProtocol, lengths: list[int],
+    def evaluate(self, state: dict | None, indices: list[int], protocol: EvalProtocol, lengths: list[int],
                  fallback: Callable[[list[int]], Predictions]) -> Predictions:
-        """Predictions of the bags ``indices`` with the weights ``state``, sharded over the workers by
-        ``lengths`` (instances per bag, LPT) and merged in the order of ``indices``. A shard whose worker
-        fails is scored by ``fallback`` (on the driver; the pool notices the failure at its next chunk)."""
-        state_ref = ray.put(state)
+        """Predictions of the bags ``indices`` with the weights ``state`` (None: each worker's replica,
+        which must then be exact), sharded over the workers by ``lengths`` (instances per bag, LPT) and
+        merged in the order of ``indices``. A shard whose worker fails is scored by ``fallback`` (on the
+        driver; the pool notices the failure at its next chunk)."""
+        state_ref = None if state is None else ray.put(state)
         plan = assign_lpt([lengths[i] for i in indices], len(self.workers))
         shards = [[indices[p] for p in positions] for positions in plan]
         refs = [w.evaluate.remote(state_ref, s, protocol) for w, s in zip(self.workers, shards, strict=True)]

@@ -82,6 +82,7 @@ class Received:
 class StepSync(Protocol):
     dense: bool  # workers contribute raw float32 gradients (no codec)
     worker_optimizer: bool  # workers step a replica of the master's optimizer
+    exact_replicas: bool  # after each step every in-sync worker holds exactly the master's weights
 
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         """Send ``part``, receive the step's update, apply it to ``replica`` (version ``step.index + 1``)."""
@@ -90,13 +91,17 @@ class StepSync(Protocol):
         """Receive the workers' parts, step ``replica``, send the update."""
 
 
-def step_sync(compression: CompressionConfig, train: TrainConfig, numel: int) -> StepSync:
-    """The synchronisation of a run (see the module docstring)."""
+def step_sync_class(compression: CompressionConfig) -> type[DenseSync | GradientsSync | DeltaSync]:
+    """The synchronisation a run's compression settings select (see the module docstring)."""
     if compression.keep_ratio >= 1.0:
-        return DenseSync(train)
-    if compression.downlink == "delta":
-        return DeltaSync(compression, train, numel)
-    return GradientsSync(compression, train, numel)
+        return DenseSync
+    return DeltaSync if compression.downlink == "delta" else GradientsSync
+
+
+def step_sync(compression: CompressionConfig, train: TrainConfig, numel: int) -> StepSync:
+    """The synchronisation of a run, built."""
+    chosen = step_sync_class(compression)
+    return DenseSync(train) if chosen is DenseSync else chosen(compression, train, numel)
 
 
 def split_up(
@@ -131,7 +136,7 @@ def _mean_gradient_step(
 
 
 class DenseSync:
-    dense, worker_optimizer = True, False
+    dense, worker_optimizer, exact_replicas = True, False, True
 
     def __init__(self, train: TrainConfig):
         self.train = train
@@ -188,7 +193,7 @@ def _payloads(grads: list[torch.Tensor]) -> list[bytes]:
 
 
 class GradientsSync:
-    dense, worker_optimizer = False, True
+    dense, worker_optimizer, exact_replicas = False, True, True
 
     def __init__(self, compression: CompressionConfig, train: TrainConfig, numel: int):
         self.train = train
@@ -248,7 +253,7 @@ class GradientsSync:
 
 
 class DeltaSync:
-    dense, worker_optimizer = False, False
+    dense, worker_optimizer, exact_replicas = False, False, False  # workers lag by the master's residual
 
     def __init__(self, compression: CompressionConfig, train: TrainConfig, numel: int):
         self.train = train

@@ -23,8 +23,9 @@ the moving average or with statistics recomputed on 8-60 training bags, against 
 
 When ``tiles`` are all the scored tiles, the embeddings equal those of one training-mode pass over the bag
 (tested). A bag whose statistics do not exist (a layer sees one value per channel: a single tile small
-enough that the last stage is 1 x 1, where a training-mode pass fails too) keeps the running statistics. Frozen encoders (``model.freeze_encoder``) keep their running statistics in training too, and
-feature-bag heads have no BatchNorm: for them the block changes nothing.
+enough that the last stage is 1 x 1, where a training-mode pass fails too) keeps the running statistics.
+Frozen encoders (``model.freeze_encoder``) keep their running statistics in training too, and feature-bag
+heads have no BatchNorm: for them the block changes nothing.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[None]:
                 h.remove()
             encoder.train(was_training)
         with torch.no_grad():
-            for m, (mean, var, tracked, _) in zip(layers, saved, strict=True):
+            for m, (mean, var, _, _) in zip(layers, saved, strict=True):
                 if measured:  # the unbiased running variance back to the biased one training divides by
                     n = counts[m]
                     m.running_var.mul_((n - 1) / n)

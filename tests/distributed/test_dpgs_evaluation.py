@@ -24,10 +24,14 @@ def assert_same_predictions(workers, driver):
     np.testing.assert_allclose(workers.losses, driver.losses, rtol=1e-6, atol=1e-6)
 
 
-def test_worker_evaluation_of_feature_bags_equals_the_driver(ray_cluster, tmp_path):
+@pytest.mark.parametrize("sync", [["dpgs.compression.keep_ratio=0.1"],  # workers score with their replicas
+                                  ["dpgs.compression.keep_ratio=0.1", "dpgs.compression.downlink=delta"]],
+                         ids=["replicas", "delta-weights-sent"])
+def test_worker_evaluation_of_feature_bags_equals_the_driver(ray_cluster, tmp_path, sync):
+    """With ``downlink=gradients`` the workers score with their own (exact) replicas, with ``delta`` (whose
+    replicas lag by the master's residual) with the master's weights; either way, as the driver does."""
     bags = write_bags(tmp_path / "bags", [3, 200, 17, 1, 90, 44, 6, 300, 12, 58, 2, 150, 33, 9, 71, 5, 20, 8])
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
-                         "dpgs.compression.keep_ratio=0.1")
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", *sync)
     data = experiment_data(config)
     spec = ModelSpec(config.model, data.dataset.feature_dim, 2)
     torch.manual_seed(0)
