@@ -4,7 +4,9 @@ Only the driver process logs. Metrics and params go through ``MlflowClient.log_b
 one round trip to the tracking store, which matters for SQLite and for remote tracking servers.
 
 A run that does not finish is ended by :meth:`RunTracker.fail`: KILLED when it was interrupted (SIGINT,
-SIGTERM), FAILED on any error, with the reason in the ``dpgs.error`` tag.
+SIGTERM), FAILED on any error, with the reason in the ``dpgs.error`` tag. Every write is one transaction
+that a signal never cuts in the middle (:func:`dpgs.interrupts.interrupts_deferred`): an interrupted
+SQLite transaction would leave the store locked for the writes that end the run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from dpgs.errors import RunFailure
+from dpgs.interrupts import interrupts_deferred
 from dpgs.runwatch import WATCHER
 
 PARAM_VALUE_LIMIT = 6000
@@ -53,23 +56,26 @@ class RunTracker:
         if parent is not None:
             all_tags["mlflow.parentRunId"] = parent.run_id
         try:
-            client = MlflowClient(tracking_uri=uri)
-            found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-            run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+            with interrupts_deferred():
+                client = MlflowClient(tracking_uri=uri)
+                found = client.get_experiment_by_name(experiment)
+                experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+                run = client.create_run(experiment_id, run_name=run_name, tags=all_tags)
+                WATCHER.watch_run(uri, run.info.run_id)  # ended FAILED if this process dies without ending it
         except MlflowException as err:
             reason = err.message.strip()
             raise TrackingError(f"tracking.uri={uri}: cannot start an MLflow run ({reason})") from None
-        WATCHER.watch_run(uri, run.info.run_id)  # ended FAILED if this process dies without ending it
         return cls(client, run.info.run_id)
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, str(v)[:PARAM_VALUE_LIMIT]) for k, v in sorted(params.items())]
         for i in range(0, len(items), BATCH_LIMIT):
-            self.client.log_batch(self.run_id, params=items[i : i + BATCH_LIMIT])
+            with interrupts_deferred():
+                self.client.log_batch(self.run_id, params=items[i : i + BATCH_LIMIT])
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        with interrupts_deferred():
+            self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log finite metrics (NaN, e.g. AUC of a one-class set, is skipped) in one batch."""
@@ -80,14 +86,17 @@ class RunTracker:
             if v is not None and math.isfinite(float(v))
         ]
         for i in range(0, len(items), BATCH_LIMIT):
-            self.client.log_batch(self.run_id, metrics=items[i : i + BATCH_LIMIT])
+            with interrupts_deferred():
+                self.client.log_batch(self.run_id, metrics=items[i : i + BATCH_LIMIT])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        with interrupts_deferred():
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def end(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status=status)
-        WATCHER.run_ended(self.run_id)  # ended here: nothing for the watcher to check
+        with interrupts_deferred():
+            self.client.set_terminated(self.run_id, status=status)
+            WATCHER.run_ended(self.run_id)  # ended here: nothing for the watcher to check
 
     def fail(self, error: BaseException) -> None:
         """End the run as KILLED (``error`` is an interrupt: SIGINT, SIGTERM) or FAILED (anything else),

@@ -331,6 +331,36 @@ def test_run_failure_marks_run_failed_keeps_checkpoints_and_exits_with_its_code(
     assert run.data.tags["dpgs.error"].startswith("the Ray cluster is gone")
 
 
+def test_a_signal_inside_a_deferred_block_is_raised_when_the_block_ends():
+    """An MLflow write is never cut in the middle: the signal is held until the block ends (nested blocks:
+    the outermost), then raised; a second signal while one is held ends the process at once."""
+    script = """
+import os, signal, time
+from dpgs.interrupts import Interrupted, interrupts_deferred, signals_interrupt
+with signals_interrupt():
+    try:
+        with interrupts_deferred():
+            with interrupts_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+                print("inner block finished", flush=True)
+            print("outer block finished", flush=True)
+        print("not reached", flush=True)
+    except Interrupted as err:
+        print(err, flush=True)
+with signals_interrupt():
+    with interrupts_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)  # insisting
+        time.sleep(5)
+print("survived")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "inner block finished\nouter block finished\ninterrupted by SIGTERM\n"
+    assert done.returncode == -signal.SIGTERM
+
+
 def test_signals_raise_interrupted_once_then_end_the_process_and_ignored_ones_stay_ignored():
     script = """
 import os, signal, time
@@ -380,7 +410,7 @@ def test_signal_marks_run_killed_keeps_checkpoints_and_exits_128_plus_signal(bag
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + sig
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert f"dpgs train: interrupted by {signal.Signals(sig).name}" in err
     assert "Traceback" not in err
     assert torch.load(out / "last.pt", weights_only=True) and (out / "best.pt").is_file()
