@@ -48,7 +48,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _common import emit, machine_line, markdown  # noqa: E402
+from _common import emit, fmt, machine_line, markdown, time_to  # noqa: E402
 
 from dpgs.compare import compare, log_comparison, write_outputs  # noqa: E402
 from dpgs.config import config_to_dict, flatten, load_config  # noqa: E402
@@ -83,8 +83,7 @@ class Result:
 
     def time_to(self, target: float) -> float:
         """``elapsed_seconds`` at the first epoch with ``val_auc >= target`` (NaN when never)."""
-        return next((r["elapsed_seconds"] for r in self.history if r.get("val_auc", -math.inf) >= target),
-                    math.nan)
+        return time_to(self.history, "val_auc", target)
 
     @property
     def time_to_best(self) -> float:
@@ -164,10 +163,6 @@ def median(values: list[float]) -> float:
 def mean(values: list[float]) -> float:
     finite = [v for v in values if not math.isnan(v)]
     return statistics.fmean(finite) if finite else math.nan
-
-
-def fmt(value: float, spec: str = ".3f") -> str:
-    return "n/a" if math.isnan(value) else format(value, spec)
 
 
 def table(results: list[Result], modes: list[str]) -> str:
