@@ -44,11 +44,11 @@ def heavy_tailed(numel: int, tensor_sizes: list[int], generator: torch.Generator
 
 
 def run_codec(gradients: list[torch.Tensor], keep: float, steps: int, value_dtype: str = "fp16") -> dict:
-    comp = TopKCompressor(keep, value_dtype=value_dtype)
+    comp = TopKCompressor(value_dtype=value_dtype)
     rows = []
     for step in range(steps):
         flat = gradients[step % len(gradients)]
-        payload = comp.compress(flat)
+        payload = comp.compress(flat, keep)
         start = time.perf_counter()
         decompress(payload, expected_numel=flat.numel())
         decode_ms = (time.perf_counter() - start) * 1e3

@@ -109,13 +109,16 @@ def tile_config(work: Path, args) -> Path:
 
 def workers_evaluation(config, data, model, indices: list[int], protocol, workers: int):
     """A DPGS worker pool of ``workers`` actors (started and warmed up here, outside the timing) and the
-    call that scores ``indices`` on it: ``WorkerPool.evaluate`` ships the weights, each worker scores its
+    call that scores ``indices`` on it: ``evaluate_on_workers`` ships the weights, each worker scores its
     shard (balanced by instance counts) with ``score_bags``, the driver merges. Returns (call, pids of
     the worker processes)."""
     import ray
 
-    from dpgs.distributed.pool import WorkerPool
+    from dpgs.distributed.runtime import connect
+    from dpgs.distributed.session import start_workers
+    from dpgs.distributed.sharded_eval import evaluate_on_workers
     from dpgs.modeling import ModelSpec
+    from dpgs.runner import dpgs_roles
     from dpgs.train.evaluate import EvalProtocol
 
     config = config.model_copy(update={
@@ -124,15 +127,17 @@ def workers_evaluation(config, data, model, indices: list[int], protocol, worker
     })
     in_dim = None if config.model.encoder else data.dataset.feature_dim
     spec = ModelSpec(config.model, in_dim, len(data.manifest.classes))
-    pool = WorkerPool(config, spec, data.dataset)
+    connect(config.dpgs)
+    actors, _ = start_workers(dpgs_roles(config), config, spec, data.dataset)
     state, lengths = model.state_dict(), data.eval_dataset.lengths()
 
     def on_driver(shard):
         raise RuntimeError(f"a worker failed while scoring {shard}")
 
-    pool.evaluate(state, indices[:workers], EvalProtocol(1, 1, 0), lengths, on_driver)  # warm-up
-    pids = ray.get([w.ping.remote() for w in pool.workers])
-    return (lambda: pool.evaluate(state, indices, protocol, lengths, on_driver)), pids
+    warm_up = EvalProtocol(1, 1, 0)
+    evaluate_on_workers(actors, state, indices[:workers], warm_up, lengths, on_driver)
+    pids = ray.get(actors.call("ping"))
+    return (lambda: evaluate_on_workers(actors, state, indices, protocol, lengths, on_driver)), pids
 
 
 def measure(spec: dict) -> dict:

@@ -39,8 +39,8 @@ import torch
 from _common import emit, fmt, machine_line, markdown
 
 from dpgs.biglayers import resnet18
-from dpgs.spatial.group import SampleParallelGroup
 from dpgs.spatial.rank import SpatialModelSpec
+from dpgs.spatial.sample_group import SampleParallelGroup
 
 
 def _median_step(fn, steps: int) -> float:

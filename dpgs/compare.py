@@ -50,14 +50,21 @@ from mlflow.entities import Run, ViewType  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from dpgs.metrics import Interval  # noqa: E402
+from dpgs.records import (  # noqa: E402
+    KIND_COMPARISON,
+    KIND_EVALUATION,
+    PARAM_STEPS_PER_EPOCH,
+    TAG_KFOLD_PARENT,
+    TAG_KIND,
+    TAG_METRIC,
+    TAG_MODE,
+    TAG_MODEL,
+    TAG_PARENT,
+)
 
-COMPARISON_TAG = "dpgs.kind"
-COMPARISON_KIND = "comparison"
-SKIPPED_KINDS = (COMPARISON_KIND, "evaluation")
+SKIPPED_KINDS = (KIND_COMPARISON, KIND_EVALUATION)
 CI_COLUMNS = ("test_auc", "test_acc")  # metrics shown with their bootstrap interval and overlap flag
 CI_BOUNDS = tuple(f"{m}_ci_{end}" for m in CI_COLUMNS for end in ("low", "high"))
-PARENT_TAG = "mlflow.parentRunId"
-KFOLD_TAG = "dpgs.kfold_parent"
 FILES = ("comparison.csv", "comparison.md", "metric_vs_time.png")
 
 # Per-run numeric summaries; k-fold rows show each as mean ± std over the folds.
@@ -169,7 +176,7 @@ def communication(client: MlflowClient, run: Run) -> dict[str, float]:
     epochs = sorted(set(up) & set(down))
     sent = sum(up[e] + down[e] for e in epochs)
     steps_logged = _history(client, run_id, "optimizer_steps")
-    steps_param = run.data.params.get("steps_per_epoch")
+    steps_param = run.data.params.get(PARAM_STEPS_PER_EPOCH)
     if epochs and all(e in steps_logged for e in epochs):
         steps = sum(steps_logged[e] for e in epochs)
     elif epochs and steps_param is not None:
@@ -208,14 +215,14 @@ def _search_all(client: MlflowClient, experiment_id: str) -> list[Run]:
 
 def _describe(run: Run, n_folds: int, kfold: bool) -> dict:
     params = run.data.params
-    mode = params.get("train.mode", run.data.tags.get("dpgs.mode", "?"))
+    mode = params.get("train.mode", run.data.tags.get(TAG_MODE, "?"))
     dpgs = mode == "dpgs"
     return {
         "run": run.info.run_name or run.info.run_id[:8],
         "run_id": run.info.run_id,
         "status": run.info.status,
         "mode": mode,
-        "model": params.get("model.name", run.data.tags.get("dpgs.model", "?")),
+        "model": params.get("model.name", run.data.tags.get(TAG_MODEL, "?")),
         "B": "1" if mode == "classic" else params.get("train.batch_size", "?"),
         "workers": params.get("dpgs.workers", "?") if dpgs else "-",
         "keep": params.get("dpgs.compression.keep_ratio", "?") if dpgs else "-",
@@ -276,21 +283,21 @@ def compare(
     runs = [
         r
         for r in _search_all(client, found.experiment_id)
-        if r.data.tags.get(COMPARISON_TAG) not in SKIPPED_KINDS
+        if r.data.tags.get(TAG_KIND) not in SKIPPED_KINDS
     ]
     ids = {r.info.run_id for r in runs}
     children: dict[str, list[Run]] = {}
     for r in runs:
-        parent = r.data.tags.get(PARENT_TAG)
+        parent = r.data.tags.get(TAG_PARENT)
         if parent in ids:
             children.setdefault(parent, []).append(r)
-    top = [r for r in runs if r.data.tags.get(PARENT_TAG) not in ids]
+    top = [r for r in runs if r.data.tags.get(TAG_PARENT) not in ids]
     if not top:
         raise CompareError(f"experiment '{experiment}' at {tracking_uri} has no runs to compare")
     rows = []
     for run in top:
         kids = children.get(run.info.run_id, [])
-        kfold = bool(kids) or run.data.tags.get(KFOLD_TAG) == "true"
+        kfold = bool(kids) or run.data.tags.get(TAG_KFOLD_PARENT) == "true"
         members = kids if kfold else [run]
         row = _describe(run, len(kids), kfold)
         curves = [load_curve(client, m.info.run_id, metric) for m in members]
@@ -401,7 +408,7 @@ def log_comparison(
     run = client.create_run(
         exp.experiment_id,
         run_name=f"compare-{metric}",
-        tags={COMPARISON_TAG: COMPARISON_KIND, "dpgs.metric": metric},
+        tags={TAG_KIND: KIND_COMPARISON, TAG_METRIC: metric},
     )
     run_id = run.info.run_id
     try:

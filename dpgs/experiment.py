@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpgs.data.experiment import ExperimentData, load_feature_experiment
-from dpgs.wsi.experiment import load_tile_experiment
+from dpgs.data.feature_experiment import ExperimentData, load_feature_experiment
+from dpgs.wsi.tile_experiment import load_tile_experiment
 
 
 def load_experiment_data(data_cfg: Any, seed: int = 0, classes: list[str] | None = None,

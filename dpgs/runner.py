@@ -2,15 +2,25 @@
 
 ``run_training(config)`` opens an in-process session (classic, padding, sampling, packed) or the DPGS
 session (Ray master and workers, kept for all folds of the command), trains, and closes the session. It
-sits above ``dpgs.train`` and ``dpgs.distributed``, so neither imports the other's driver side.
+sits above ``dpgs.train``, ``dpgs.distributed`` and the roles (``dpgs.master``, ``dpgs.workers``): it picks
+the role classes and hands them to the DPGS driver, which never imports them.
 """
 
 from __future__ import annotations
 
 from dpgs.config import Config
-from dpgs.train.engine import LocalSession, Session
-from dpgs.train.trainer import TrainingResult
-from dpgs.train.trainer import run_training as train_with
+from dpgs.train.engine import Session
+from dpgs.train.local_engine import LocalSession
+from dpgs.train.trainer import TrainingResult, train_splits
+
+
+def dpgs_roles(config: Config):
+    """The master and worker classes of a DPGS run: bag workers, or sample-parallel group workers."""
+    from dpgs.distributed.roles import Roles
+    from dpgs.master import Master
+    from dpgs.workers import BagWorker, GroupWorker
+
+    return Roles(master=Master, worker=GroupWorker if config.dpgs.sample_parallel > 1 else BagWorker)
 
 
 def open_session(config: Config) -> Session:
@@ -18,7 +28,7 @@ def open_session(config: Config) -> Session:
     if config.train.mode == "dpgs":
         from dpgs.distributed.session import DpgsSession
 
-        return DpgsSession(config)
+        return DpgsSession(config, dpgs_roles(config))
     return LocalSession()
 
 
@@ -26,6 +36,6 @@ def run_training(config: Config) -> TrainingResult:
     """Validate inputs, train every fold, close the session; returns the (parent) run's results."""
     session = open_session(config)
     try:
-        return train_with(config, session)
+        return train_splits(config, session)
     finally:
         session.close()

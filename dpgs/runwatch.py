@@ -25,6 +25,8 @@ import sys
 import threading
 from pathlib import Path
 
+from dpgs.records import TAG_ERROR
+
 REASON = ("the dpgs train process ended without closing its MLflow run (killed, out of memory, or ended "
           "by Ray when its raylet or GCS died)")
 
@@ -90,7 +92,7 @@ def _end_runs(runs: list[tuple[str, str]]) -> int:
             client = MlflowClient(tracking_uri=uri)
             if client.get_run(run_id).info.status != "RUNNING":
                 continue
-            client.set_tag(run_id, "dpgs.error", REASON)
+            client.set_tag(run_id, TAG_ERROR, REASON)
             client.set_terminated(run_id, status="FAILED")
             ended += 1
         except Exception as err:  # noqa: BLE001 - a watcher reports, it never raises

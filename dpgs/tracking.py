@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from dpgs.errors import RunFailure
 from dpgs.interrupts import interrupts_deferred
+from dpgs.records import TAG_ERROR, TAG_PARENT
 from dpgs.runwatch import WATCHER
 
 PARAM_VALUE_LIMIT = 6000
@@ -54,7 +55,7 @@ class RunTracker:
     ) -> RunTracker:
         all_tags = dict(tags or {})
         if parent is not None:
-            all_tags["mlflow.parentRunId"] = parent.run_id
+            all_tags[TAG_PARENT] = parent.run_id
         try:
             with interrupts_deferred():
                 client = MlflowClient(tracking_uri=uri)
@@ -105,7 +106,7 @@ class RunTracker:
         status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
         reason = str(error) or type(error).__name__
         try:
-            self.set_tags({"dpgs.error": reason[:ERROR_TAG_LIMIT]})
+            self.set_tags({TAG_ERROR: reason[:ERROR_TAG_LIMIT]})
             self.end(status)
         except Exception as err:  # the store itself failed; the run's own error matters more
             print(f"[dpgs] warning: could not mark MLflow run {self.run_id} {status}: {err}", file=sys.stderr)

@@ -1,38 +1,37 @@
 """The DPGS master role (rank 0 of the group): the parameters, the optimizer and the step count.
 
-The pool (``dpgs.distributed.pool``) runs it as a Ray actor (``ray.remote(Master)``) on the driver's
-node. Per step it receives every worker's gradient message, forms the mini-batch gradient
+The driver runs it as a Ray actor on its own node. Per step it receives every worker's gradient message,
+forms the mini-batch gradient
 
     g = (1 / B) * sum_w g_w,    B = number of bags in the step,
 
 (``g_w``: worker w's sum of per-bag loss gradients), which is the gradient of the mean per-bag loss over
 the B bags whatever their lengths and however they were spread, steps its optimizer and sends the update
-(``dpgs.distributed.sync``). It is the authority the workers are resynchronised from after a failure,
-and what checkpoints save and evaluation reads.
+(the fold's :class:`~dpgs.distributed.sync.StepSync`). It is the authority the workers are resynchronised
+from after a failure, and what checkpoints save and evaluation reads.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
 from dpgs.config import Config
-from dpgs.distributed.channel import Channel, ChannelBroken, Rendezvous, free_address
-from dpgs.distributed.messages import MASTER_RANK, ChunkPlan, ChunkResult, FoldStart, ReplicaState
+from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState
+from dpgs.distributed.rendezvous import Rendezvous, free_address
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync import DeltaSync, step_sync
-from dpgs.outputs import save_torch_atomically
-
-CHECKPOINT_FORMAT = 2
+from dpgs.distributed.sync import StepSync
+from dpgs.distributed.transport import MASTER_RANK, Channel, ChannelBroken
+from dpgs.records import MasterCheckpoint, save_checkpoint
 
 
 class Master:
     def __init__(self, model_spec, config: Config, threads: int = 1):
         torch.set_num_threads(threads)  # the workers' count: replica optimizer steps are then bit-identical
         self.replica = Replica(model_spec.build(), config.train)
-        self.sync = step_sync(config.dpgs.compression, config.train, self.replica.numel)
+        self.sync: StepSync | None = None
         self.channel: Channel | None = None
 
     # ---------------------------------------------------------------- the group
@@ -49,18 +48,14 @@ class Master:
 
     # ---------------------------------------------------------------- folds and state
     def start_fold(self, fold: FoldStart) -> int:
-        self.replica.restart(fold.model_state)
-        self._restart_broadcast()
+        self.sync = fold.sync
+        self.replica.restart(fold.model_state, with_optimizer=True)
+        self.sync.restart(self.replica)
         return self.replica.version
 
-    def _restart_broadcast(self) -> None:
-        if isinstance(self.sync, DeltaSync):
-            self.sync.encoder.start(self.replica.flat_params(), self.replica.version)
-
     def replica_state(self) -> ReplicaState:
-        """What every in-sync worker holds now (``downlink=delta``: the broadcast's ``held``)."""
-        held = self.sync.encoder.held if isinstance(self.sync, DeltaSync) else None
-        return self.replica.state(held)
+        """What every in-sync worker holds now."""
+        return self.replica.state(self.sync.held(self.replica))
 
     def version(self) -> int:
         return self.replica.version
@@ -93,36 +88,26 @@ class Master:
         return result
 
     # ---------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
+    def state_dict(self) -> MasterCheckpoint:
         """Everything a resume needs from the master (the learning rate is a function of the step)."""
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "model": self.replica.model.state_dict(),
-            "optimizer": self.replica.optimizer.state_dict(),
-            "step": self.replica.version,
-        }
-        if isinstance(self.sync, DeltaSync):
-            state["held"] = self.sync.encoder.held.clone()
-        return state
+        return MasterCheckpoint(
+            model=self.replica.model.state_dict(),
+            optimizer=self.replica.optimizer.state_dict(),
+            step=self.replica.version,
+            sync=self.sync.state_dict(),
+        )
 
-    def load_state_dict(self, state: dict) -> int:
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"checkpoint format {state.get('format')} (this dpgs writes {CHECKPOINT_FORMAT})"
-            )
-        self.replica.model.load_state_dict(state["model"])
-        self.replica.optimizer.load_state_dict(state["optimizer"])
-        self.replica.version = int(state["step"])
-        if isinstance(self.sync, DeltaSync):
-            self.sync.encoder.start(state.get("held", self.replica.flat_params()), self.replica.version)
+    def load_state_dict(self, state: MasterCheckpoint) -> int:
+        self.replica.model.load_state_dict(state.model)
+        self.replica.optimizer.load_state_dict(state.optimizer)
+        self.replica.version = state.step
+        self.sync.load_state_dict(state.sync)
         return self.replica.version
 
     def save_checkpoint(self, path: str, driver: dict, workers: list) -> str:
-        """Write ``{"master", "driver", "workers"}`` to ``path`` atomically (``dpgs.outputs``);
-        ``workers``: each worker's error-feedback state (None in dense mode)."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return str(save_torch_atomically({"master": self.state_dict(), "driver": driver, "workers": workers},
-                                         path))
+        """Write the run's checkpoint (``dpgs.records``) to ``path`` atomically; ``workers``: each worker's
+        step-synchronisation state (its error-feedback residual)."""
+        return str(save_checkpoint(path, self.state_dict(), driver, workers))
 
     def ping(self) -> int:
         return os.getpid()

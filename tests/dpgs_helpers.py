@@ -59,8 +59,9 @@ def experiment_data(config):
 def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None, eval_dataset=None):
     """A DPGS engine for one fold on its own session (closed on exit)."""
     from dpgs.distributed.session import DpgsSession
+    from dpgs.runner import dpgs_roles
 
-    session = DpgsSession(config)
+    session = DpgsSession(config, dpgs_roles(config))
     setup = FoldSetup(config, spec, model, class_weights, dataset, list(train_indices), torch.device("cpu"),
                       Path(config.train.output_dir), eval_dataset)
     try:

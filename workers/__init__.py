@@ -2,6 +2,6 @@
 
 from dpgs.workers.bag import BagWorker
 from dpgs.workers.base import BagGradients, Worker
-from dpgs.workers.group import GroupWorker
+from dpgs.workers.sample_parallel import GroupWorker
 
 __all__ = ["BagGradients", "BagWorker", "GroupWorker", "Worker"]

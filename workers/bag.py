@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-from dpgs.workers.base import BagGradients, Worker
 
 from dpgs.distributed.flat import flat_grads
 from dpgs.distributed.messages import StepPlan
 from dpgs.modeling import input_to
 from dpgs.train.steps import batch_loss
+from dpgs.workers.base import BagGradients, Worker
 
 
 class BagWorker(Worker):

@@ -6,10 +6,11 @@ encoder) and a bag reader. For each step of a chunk (``ChunkPlan``) it
 
 1. reads its bags of the step (read ahead while the previous step computed) and starts reading the next
    step's;
-2. computes, per micro-batch, the gradient of the **sum** of its bags' losses with the one hook
-   subclasses implement, :meth:`Worker.bag_gradients` (the master divides by the step's bag count);
-3. encodes the sum (raw float32 in dense mode, top-k with error feedback otherwise) and exchanges it
-   through the group (``dpgs.distributed.sync``), which leaves the replica at the step's new version.
+2. computes, per micro-batch, the gradient of the **sum** of its bags' losses with
+   :meth:`Worker.bag_gradients` (the master divides by the step's bag count);
+3. hands the sum to the fold's step synchronisation (``dpgs.distributed.sync.StepSync``: raw float32 at
+   keep ratio 1, top-k with error feedback below), which exchanges it through the group and leaves the
+   replica at the step's new version.
 
 A step's contribution is kept until its exchange completes: after a failure elsewhere the same
 contribution is sent again (never recomputed), so every bag counts exactly once. Randomness (dropout) of a
@@ -26,23 +27,18 @@ from dataclasses import dataclass
 
 import ray
 import torch
-from dpgs.workers.reader import BagReader
 
 from dpgs.config import Config
-from dpgs.distributed.channel import Channel, ChannelBroken, Rendezvous
-from dpgs.distributed.codec import GradientEncoder
-from dpgs.distributed.messages import (
-    ChunkPlan,
-    ChunkResult,
-    FoldStart,
-    ReplicaState,
-    StepPlan,
-    WorkerStep,
-    worker_rank,
-)
+from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState, StepPlan, WorkerStep
+from dpgs.distributed.rendezvous import Rendezvous
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync import Contribution, contribution, step_sync
+from dpgs.distributed.roles import WorkerLaunch
+from dpgs.distributed.runtime import worker_resources
+from dpgs.distributed.sync import Contribution, StepSync
+from dpgs.distributed.transport import Channel, ChannelBroken, EmulatedLink, worker_rank
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
+from dpgs.workers.reader import BagReader
 
 
 @dataclass
@@ -64,17 +60,10 @@ class BagGradients:
     group_restarts: int = 0
 
 
-def emulate_link(nbytes: int, mbps: float | None) -> float:
-    """Sleep for the transfer time of ``nbytes`` over a ``mbps`` link; returns the seconds slept."""
-    if not mbps:
-        return 0.0
-    seconds = nbytes * 8 / (mbps * 1e6)
-    time.sleep(seconds)
-    return seconds
-
-
 class Worker:
-    """Base worker; subclasses build the model (:meth:`build_model`) and implement :meth:`bag_gradients`."""
+    """Base worker; subclasses build the model (:meth:`build_model`) and implement :meth:`bag_gradients`;
+    :meth:`on_weights_changed` and :meth:`step_buffers` are there for workers that compute elsewhere than
+    in their replica (``GroupWorker``)."""
 
     def __init__(
         self, worker: int, model_spec, dataset, config: Config, device: str = "cpu", threads: int = 1
@@ -86,18 +75,19 @@ class Worker:
         self.seed = config.seed
         self.mbps = config.dpgs.emulate_bandwidth_mbps
         self.model = self.build_model(model_spec)
-        self.sync = step_sync(
-            config.dpgs.compression,
-            config.train,
-            sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-        )
-        self.replica = Replica(self.model, config.train if self.sync.worker_optimizer else None)
-        self.encoder = None if self.sync.dense else GradientEncoder(config.dpgs.compression, self.model)
+        self.replica = Replica(self.model, config.train)
+        self.sync: StepSync | None = None  # the fold's (FoldStart.sync)
         self.reader = BagReader(dataset)
         self.class_weights: torch.Tensor | None = None
         self.channel: Channel | None = None
         self.pending: Pending | None = None
         self.eval_model: torch.nn.Module | None = None
+
+    @classmethod
+    def launch(cls, config: Config) -> WorkerLaunch:
+        """One placement-group bundle per worker with its share of the cluster (``worker_resources``)."""
+        res = worker_resources(config.dpgs, config.train.device)
+        return WorkerLaunch(cpus=res.cpus, gpus=res.gpus, placed=True, threads=res.threads, device=res.device)
 
     # ---------------------------------------------------------------- hooks
     def build_model(self, model_spec) -> torch.nn.Module:
@@ -121,27 +111,33 @@ class Worker:
         """Process id (to detect restarts, and for fault-injection tests)."""
         return os.getpid()
 
-    def where(self) -> dict:
-        """Node id, process id and device (printed at start-up)."""
-        return {
-            "node": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "device": str(self.device),
-        }
+    def where(self) -> list[str]:
+        """Where this worker runs, one line per process (the driver prints them at start-up)."""
+        context = ray.get_runtime_context()
+        resources = ", ".join(f"{k}={v:g}" for k, v in sorted(context.get_assigned_resources().items()))
+        return [
+            f"worker {self.worker}: node={context.get_node_id()[:12]} ip={ray.util.get_node_ip_address()} "
+            f"pid={os.getpid()} device={self.device} threads={torch.get_num_threads()} "
+            f"resources=[{resources}]"
+        ]
+
+    def close(self) -> None:
+        """Release what the worker holds besides itself (called before the driver kills the actor)."""
 
     def join(self, rendezvous: Rendezvous) -> int:
         if self.channel is not None:
             self.channel.close()
         self.channel = None
-        self.channel = rendezvous.open(self.rank)
+        channel = rendezvous.open(self.rank)
+        self.channel = EmulatedLink(channel, self.mbps) if self.mbps else channel
         return os.getpid()
 
     def start_fold(self, fold: FoldStart) -> int:
-        """The fold's initial weights and class weights; residual and pending contribution forgotten."""
-        self.replica.restart(fold.model_state)
+        """The fold's initial weights, class weights and step synchronisation (an empty residual); the
+        pending contribution is forgotten."""
+        self.sync = fold.sync
+        self.replica.restart(fold.model_state, with_optimizer=self.sync.worker_optimizer)
         self.class_weights = None if fold.class_weights is None else fold.class_weights.to(self.device)
-        if self.encoder is not None:
-            self.encoder.reset()
         self.pending = None
         self.on_weights_changed()
         return self.replica.version
@@ -157,7 +153,7 @@ class Worker:
 
     def replica_state(self) -> ReplicaState:
         """What this worker holds (tests compare it with the master's)."""
-        return self.replica.state()
+        return self.replica.state(self.replica.flat_params())
 
     def evaluate(self, state: dict | None, indices: list[int], protocol: EvalProtocol) -> Predictions:
         """Predictions of a shard of the evaluation bags with the weights ``state``, or with the replica's
@@ -170,13 +166,12 @@ class Worker:
         self.eval_model.load_state_dict(self.model.state_dict() if state is None else state)
         return score_bags(self.eval_model, self.reader.dataset, indices, protocol, self.device)
 
-    def encoder_state(self) -> dict | None:
-        """The error-feedback residual (checkpointed with the master; None in dense mode)."""
-        return None if self.encoder is None else self.encoder.state_dict()
+    def sync_state(self) -> dict:
+        """This worker's step-synchronisation state (its error-feedback residual; checkpointed)."""
+        return self.sync.state_dict()
 
-    def load_encoder_state(self, state: dict | None) -> None:
-        if self.encoder is not None and state is not None:
-            self.encoder.load_state_dict(state)
+    def load_sync_state(self, state: dict) -> None:
+        self.sync.load_state_dict(state)
 
     # ---------------------------------------------------------------- steps
     def run_chunk(self, plan: ChunkPlan) -> ChunkResult:
@@ -199,12 +194,10 @@ class Worker:
         if self.pending is None or self.pending.part.step != step.index:
             self.pending = self._contribute(step, following)
         report = self.pending.report
-        link = emulate_link(self.pending.part.up_bytes, self.mbps)
         received = self.sync.worker(self.channel, step, self.pending.part, self.replica)
         self.pending = None
         report.exchange_seconds, report.apply_seconds = received.exchange_seconds, received.apply_seconds
         report.down_bytes = received.down_bytes
-        report.link_seconds = link + emulate_link(received.down_bytes, self.mbps)
         return report
 
     def _contribute(self, step: StepPlan, following: StepPlan | None) -> Pending:
@@ -225,14 +218,8 @@ class Worker:
             halo += out.halo_bytes
             restarts += out.group_restarts
         computed = time.perf_counter()
-        n_bags = len(losses)
-        if self.sync.dense:
-            gradient = total if total is not None else torch.zeros(self.replica.numel)
-        elif n_bags:
-            gradient, _ = self.encoder.encode(total, step.keep_ratio)
-        else:
-            gradient = b""  # nothing to send; the residual waits for this worker's next bags
-        part = contribution(step.index, n_bags, gradient, self.step_buffers())
+        n_bags = len(losses)  # without bags the residual waits for this worker's next ones
+        part = self.sync.contribute(step, n_bags, total, self.step_buffers())
         encoded = time.perf_counter()
         report = WorkerStep(
             index=step.index,

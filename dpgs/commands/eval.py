@@ -27,7 +27,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-EVAL_KIND = "evaluation"
+from dpgs.records import KIND_EVALUATION, TAG_EVALUATES, TAG_FOLD, TAG_KFOLD_PARENT, TAG_KIND, TAG_MODEL
+
 OWN_SPLITS = ("train", "val", "test", "all")
 
 
@@ -128,7 +129,7 @@ def bag_indices(data, ref, cohort: Cohort) -> list[int]:
 class FoldEvaluation:
     """One fold's result; ``test_metrics`` is the attribute :func:`dpgs.train.trainer.cv_summary` reads."""
 
-    ref: object  # dpgs.wsi.runref.RunRef
+    ref: object  # dpgs.runs.RunRef
     classes: list[str]
     predictions: list  # dpgs.train.evaluate.Predictions, one per protocol (all instances first)
     test_metrics: dict[str, float]
@@ -262,11 +263,11 @@ def log_evaluation(args, group, cohort: Cohort, config, plan, results: list[Fold
     if not known and group.parent_run_id is None:
         return None
     uri, experiment = group.folds[0].tracking_uri, config.experiment
-    base = {"dpgs.kind": EVAL_KIND, "dpgs.model": config.model.name}
+    base = {TAG_KIND: KIND_EVALUATION, TAG_MODEL: config.model.name}
 
     def one(result: FoldEvaluation, name: str, tags: dict, parent=None) -> RunTracker:
         if result.ref.run_id is not None:
-            tags = {**tags, "dpgs.evaluates": result.ref.run_id}
+            tags = {**tags, TAG_EVALUATES: result.ref.run_id}
         tracker = RunTracker.start(uri, experiment, name, {**base, **tags}, parent=parent)
         try:
             tracker.log_params(eval_params(args, cohort, config, plan, result.ref, result.n_bags))
@@ -280,14 +281,14 @@ def log_evaluation(args, group, cohort: Cohort, config, plan, results: list[Fold
 
     if not group.kfold:
         return one(results[0], f"eval-{results[0].ref.run_dir.name}", {}).run_id
-    tags = {**base, "dpgs.kfold_parent": "true"}
+    tags = {**base, TAG_KFOLD_PARENT: "true"}
     if group.parent_run_id is not None:
-        tags["dpgs.evaluates"] = group.parent_run_id
+        tags[TAG_EVALUATES] = group.parent_run_id
     parent = RunTracker.start(uri, experiment, f"eval-{group.root.name}", tags)
     try:
         for result in results:
             name = result.ref.run_dir.name
-            one(result, name, {"dpgs.fold": name}, parent=parent)
+            one(result, name, {TAG_FOLD: name}, parent=parent)
         parent.log_params({"eval.run": args.run, "eval.split": cohort.split, "eval.folds": len(results)})
         parent.log_metrics(cv_summary(results))
     except BaseException:
@@ -302,8 +303,8 @@ def run(args) -> int:
 
     from dpgs.config import ConfigError
     from dpgs.data import DataValidationError
+    from dpgs.runs import resolve_run_group
     from dpgs.train.trainer import cv_summary
-    from dpgs.wsi.runref import resolve_run_group
 
     try:
         group = resolve_run_group(args.run, args.tracking_uri)
@@ -340,5 +341,6 @@ def run(args) -> int:
     if run_id is None:
         print(f"no MLflow run found for {group.root} in {first.tracking_uri}; metrics not logged")
     else:
-        print(f"logged as MLflow run {run_id} (experiment '{config.experiment}', tag dpgs.kind={EVAL_KIND})")
+        print(f"logged as MLflow run {run_id} (experiment '{config.experiment}', "
+              f"tag {TAG_KIND}={KIND_EVALUATION})")
     return 0

@@ -58,7 +58,7 @@ class EncoderChoice:
 
 def choose_from_run(args) -> EncoderChoice:
     """The encoder of ``--run``: the run's architecture and the ``encoder.*`` entries of its best.pt."""
-    from dpgs.wsi.runref import RunError, resolve_run
+    from dpgs.runs import RunError, resolve_run
 
     ref = resolve_run(args.run, args.tracking_uri, lookup_mlflow=False)
     model = ref.config.model

@@ -120,8 +120,8 @@ def log_artifacts(run_id: str, uri: str, paths: list[Path]) -> None:
 
 def run(args) -> int:
     from dpgs.modeling import resolve_device
+    from dpgs.runs import resolve_run
     from dpgs.wsi.heatmap import FeatureBag, HeatmapOptions, make_feature_heatmap, make_heatmap
-    from dpgs.wsi.runref import resolve_run
 
     try:
         ref = resolve_run(args.run, args.tracking_uri)

@@ -43,9 +43,12 @@ def run(args) -> int:
         with signals_interrupt():
             config = load_config(args.config, overrides)
             if args.resume:  # checked against the checkpoint by run_training, before anything is written
-                from dpgs.distributed.resume import attach_resume
+                from dpgs.records import find_checkpoint
 
-                config = attach_resume(config, args.resume)
+                checkpoint = find_checkpoint(args.resume, config.tracking.uri)
+                config = config.model_copy(
+                    update={"dpgs": config.dpgs.model_copy(update={"resume": checkpoint})}
+                )
             if config.data.manifest is None:
                 raise ConfigError("data.manifest is required (set it in the config or as data.manifest=PATH)")
             from dpgs.runner import run_training

@@ -3,8 +3,7 @@
 The master keeps ``held``, a bit-exact copy of what every in-sync worker holds, and a version number. Each
 ``step(params)`` either
 
-* sends a dense fp32 snapshot (first call, every ``dense_sync_every`` steps, or after ``request_sync()``):
-  ``held = params``; or
+* sends a dense fp32 snapshot (first call, or every ``dense_sync_every`` steps): ``held = params``; or
 * sends the top-k of ``delta = params - held`` (plus dense-exempt tensors), rounded to the value dtype,
   and applies exactly the same float32 additions to ``held`` as the workers do.
 
@@ -15,8 +14,8 @@ cannot drift). Invariant: a worker that applied every payload holds ``held`` bit
 float32 numbers is exact unless their exponents differ by more than 29).
 
 A worker applies payloads with ``apply_payload``; a delta whose version is not the worker's version + 1
-raises ``VersionMismatchError``, and the master answers with ``snapshot()`` (dense copy of ``held`` at the
-current version), which is also what a joining worker gets.
+raises ``VersionMismatchError`` (the worker is out of step: the DPGS driver then resynchronises it with
+``held``).
 """
 
 from __future__ import annotations
@@ -77,10 +76,9 @@ def encode_snapshot(values: torch.Tensor, version: int, zstd_level: int = 3) -> 
 class DeltaBroadcaster:
     """Master-side encoder of parameter updates for the workers (module docstring)."""
 
-    def __init__(self, keep_ratio: float, value_dtype: str = "fp16", dense_sync_every: int | None = 100,
+    def __init__(self, value_dtype: str = "fp16", dense_sync_every: int | None = 100,
                  layout: ParamLayout | None = None, dense_min_numel: int = 0, zstd_level: int = 3,
                  exact_max_numel: int = 1 << 20, sample_ratio: float = 0.01, seed: int = 0):
-        self.keep_ratio = keep_ratio
         if dense_sync_every is not None and dense_sync_every < 1:
             raise ValueError(f"dense_sync_every must be >= 1 or None, got {dense_sync_every}")
         self.dtype = get_value_dtype(value_dtype)
@@ -94,22 +92,10 @@ class DeltaBroadcaster:
         self.held: torch.Tensor | None = None
         self.version = 0
         self.steps_since_sync = 0
-        self._sync_requested = False
         self._ranges = np.zeros((0, 2), dtype=np.int64)
         self._dense_pos = torch.zeros(0, dtype=torch.long)
         self._magnitude: torch.Tensor | None = None
         self.last_meta: BroadcastMeta | None = None
-
-    @property
-    def keep_ratio(self) -> float:
-        return self._keep_ratio
-
-    @keep_ratio.setter
-    def keep_ratio(self, value: float) -> None:
-        value = float(value)
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"keep_ratio must be in [0, 1], got {value}")
-        self._keep_ratio = value
 
     def restart(self, held: torch.Tensor, version: int) -> None:
         """Continue from workers that hold ``held`` at ``version`` (a new run, a resume or a resync): the next
@@ -121,23 +107,20 @@ class DeltaBroadcaster:
         self.held = held.clone()
         self.version = int(version)
         self.steps_since_sync = 0
-        self._sync_requested = False
 
-    def request_sync(self) -> None:
-        """Make the next ``step`` a dense snapshot for everyone."""
-        self._sync_requested = True
+    def state_dict(self) -> dict:
+        """``held``, the version, the steps since the last snapshot and the selection generator."""
+        return {"held": None if self.held is None else self.held.clone(), "version": self.version,
+                "steps_since_sync": self.steps_since_sync, "generator": self.generator.get_state()}
 
-    def residual(self, params: torch.Tensor) -> torch.Tensor:
-        """``params - held`` in float64: what the workers still miss."""
-        if self.held is None:
-            raise RuntimeError("nothing broadcast yet")
-        return _flat32(params).double() - self.held.double()
-
-    def snapshot(self) -> bytes:
-        """Dense payload of ``held`` at the current version (for a joining or out-of-sync worker)."""
-        if self.held is None:
-            raise RuntimeError("nothing broadcast yet: call step(params) first")
-        return encode_snapshot(self.held, self.version, self.zstd_level)
+    def load_state_dict(self, state: dict) -> None:
+        if state["held"] is None:
+            self.held = None
+        else:
+            self.restart(state["held"], state["version"])
+        self.version = int(state["version"])
+        self.steps_since_sync = int(state["steps_since_sync"])
+        self.generator.set_state(state["generator"])
 
     def _setup(self, n: int) -> None:
         if self.layout is not None:
@@ -149,15 +132,18 @@ class DeltaBroadcaster:
         self._dense_pos = dense_positions(self._ranges, torch.device("cpu"))
         self._magnitude = torch.empty(n, dtype=torch.float32)
 
-    def step(self, params: torch.Tensor) -> tuple[bytes, BroadcastMeta]:
-        """Payload bringing in-sync workers from ``version`` to ``version + 1`` towards ``params``."""
+    def step(self, params: torch.Tensor, keep_ratio: float) -> tuple[bytes, BroadcastMeta]:
+        """Payload bringing in-sync workers from ``version`` to ``version + 1`` towards ``params``,
+        sending the top ``keep_ratio`` fraction (in [0, 1]) of ``params - held`` (or a snapshot, above)."""
         start = time.perf_counter()
+        if not 0.0 <= keep_ratio <= 1.0:
+            raise ValueError(f"keep_ratio must be in [0, 1], got {keep_ratio}")
         params = _flat32(params)
         n = params.numel()
         if self.held is not None and n != self.held.numel():
             raise ValueError(f"params have {n} elements, the broadcaster holds {self.held.numel()}")
         periodic = self.dense_sync_every is not None and self.steps_since_sync + 1 >= self.dense_sync_every
-        dense = self.held is None or self._sync_requested or periodic
+        dense = self.held is None or periodic
         if self.held is None:
             self._setup(n)
         if dense:
@@ -165,11 +151,10 @@ class DeltaBroadcaster:
             self.held = params.clone()
             self.version += 1
             self.steps_since_sync = 0
-            self._sync_requested = False
             payload, count = encode_snapshot(self.held, self.version, self.zstd_level), n
         else:
             delta = params - self.held
-            k = keep_count(self.keep_ratio, n - int(self._ranges[:, 1].sum()))
+            k = keep_count(keep_ratio, n - int(self._ranges[:, 1].sum()))
             sent = sparsify_(delta, k, ranges=self._ranges, dense_pos=self._dense_pos, dtype=self.dtype,
                              clip_norm=None, magnitude=self._magnitude, exact_max_numel=self.exact_max_numel,
                              sample_ratio=self.sample_ratio, generator=self.generator)

@@ -8,8 +8,10 @@ Per call, with residual ``r`` (and, with momentum correction, momentum ``u`` and
     r = acc - sent                                                  (exact: nothing is ever lost)
     momentum factor masking: u[sent sparse positions] = 0
 
-so ``decompress(payload) + r_new == acc`` holds bit for bit. With momentum correction the workers already
-apply momentum, so the master must step with plain SGD (no momentum) on the aggregated payloads.
+so ``decompress(payload) + r_new == acc`` holds bit for bit. The keep ratio is an argument of each call
+(a schedule chooses it per step). :meth:`TopKCompressor.flush` sends everything: it returns ``acc`` itself
+as float32 and empties the residual (with masking, the momentum too). With momentum correction the workers
+already apply momentum, so the master must step with plain SGD (no momentum) on the aggregated payloads.
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ def _check_ratio(keep_ratio: float) -> float:
 class TopKCompressor:
     """Stateful worker-side compressor of flat float32 vectors (see the module docstring).
 
-    keep_ratio: fraction of the compressible elements sent per call (0 sends nothing, 1 everything).
     clip_norm: scale the sent values down to this L2 norm (the excess stays in the residual).
     value_dtype: "fp16", "bf16" or "fp32" for the sent values (rounding error stays in the residual).
     momentum_correction: DGC momentum coefficient ``m`` (None = plain error feedback).
@@ -64,11 +65,10 @@ class TopKCompressor:
     exact_max_numel / sample_ratio / seed: selection (``dpgs.compression.selection``).
     """
 
-    def __init__(self, keep_ratio: float, clip_norm: float | None = None, value_dtype: str = "fp16",
+    def __init__(self, clip_norm: float | None = None, value_dtype: str = "fp16",
                  zstd_level: int = 3, momentum_correction: float | None = None, momentum_masking: bool = True,
                  dense_min_numel: int = 0, layout: ParamLayout | None = None, exact_max_numel: int = 1 << 20,
                  sample_ratio: float = 0.01, seed: int = 0):
-        self.keep_ratio = keep_ratio
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be positive or None, got {clip_norm}")
         if momentum_correction is not None and not 0.0 <= momentum_correction < 1.0:
@@ -93,14 +93,6 @@ class TopKCompressor:
         self._ranges = np.zeros((0, 2), dtype=np.int64)
         self._dense_pos: torch.Tensor | None = None
 
-    @property
-    def keep_ratio(self) -> float:
-        return self._keep_ratio
-
-    @keep_ratio.setter
-    def keep_ratio(self, value: float) -> None:
-        self._keep_ratio = _check_ratio(value)
-
     def _prepare(self, n: int, device: torch.device) -> None:
         if self.residual is not None:
             if self.residual.numel() != n:
@@ -124,22 +116,42 @@ class TopKCompressor:
         self.residual = self.momentum = self._magnitude = self._dense_pos = None
         self._ranges = np.zeros((0, 2), dtype=np.int64)
 
-    def compress(self, flat: torch.Tensor, version: int | None = None) -> bytes:
-        """Payload for ``flat`` (any shape, floating point); ``version`` goes into the header (default: the
-        number of previous calls). Updates the residual and ``last_stats``."""
-        start = time.perf_counter()
+    def _accumulate(self, flat: torch.Tensor) -> torch.Tensor:
+        """``acc`` (in ``self.residual``) of the module docstring; returns ``flat`` as flat float32."""
         if not torch.is_floating_point(flat):
             raise ValueError(f"flat must be a floating-point tensor, got {flat.dtype}")
         flat = flat.detach().reshape(-1).to(torch.float32)
-        n = flat.numel()
-        self._prepare(n, flat.device)
+        self._prepare(flat.numel(), flat.device)
         check_finite(flat, self._magnitude, "input vector")
         if self.momentum is not None:
             self.momentum.mul_(self.momentum_correction).add_(flat)
             self.residual.add_(self.momentum)
         else:
             self.residual.add_(flat)
-        k = keep_count(self.keep_ratio, n - int(self._ranges[:, 1].sum()))
+        return flat
+
+    def flush(self, flat: torch.Tensor) -> torch.Tensor:
+        """Send everything: ``acc`` as a float32 vector; the residual (and, with masking, the momentum) is
+        emptied. Without anything kept (no residual yet, no momentum) that is ``flat`` itself."""
+        if self.residual is None and self.momentum_correction is None:
+            return flat.detach().reshape(-1).to(torch.float32)
+        self._accumulate(flat)
+        sent = self.residual.clone()
+        self.residual.zero_()
+        if self.momentum is not None and self.momentum_masking:
+            self.momentum.zero_()
+        self.step += 1
+        return sent
+
+    def compress(self, flat: torch.Tensor, keep_ratio: float, version: int | None = None) -> bytes:
+        """Payload of the top ``keep_ratio`` fraction (in [0, 1]) of ``residual + flat`` (``flat``: any shape,
+        floating point); ``version`` goes into the header (default: the number of previous calls). Updates
+        the residual and ``last_stats``."""
+        start = time.perf_counter()
+        keep_ratio = _check_ratio(keep_ratio)
+        flat = self._accumulate(flat)
+        n = flat.numel()
+        k = keep_count(keep_ratio, n - int(self._ranges[:, 1].sum()))
         sent = sparsify_(self.residual, k, ranges=self._ranges, dense_pos=self._dense_pos, dtype=self.dtype,
                          clip_norm=self.clip_norm, magnitude=self._magnitude,
                          exact_max_numel=self.exact_max_numel, sample_ratio=self.sample_ratio,

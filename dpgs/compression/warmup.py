@@ -39,10 +39,5 @@ class KeepRatioSchedule:
     def __call__(self, epoch: int) -> float:
         return self.ratio(epoch)
 
-    def apply(self, compressor, epoch: int) -> float:
-        """Set ``compressor.keep_ratio`` for ``epoch`` (TopKCompressor or DeltaBroadcaster); return it."""
-        compressor.keep_ratio = self.ratio(epoch)
-        return compressor.keep_ratio
-
     def __repr__(self) -> str:
         return f"KeepRatioSchedule(target={self.target}, warmup={self.warmup})"

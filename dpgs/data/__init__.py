@@ -7,7 +7,7 @@ from dpgs.data.cache import ByteLRUCache
 from dpgs.data.dataset import Bag, BagDataset
 from dpgs.data.demo import write_demo_data
 from dpgs.data.errors import DataValidationError
-from dpgs.data.experiment import ExperimentData, build_splits, load_feature_experiment
+from dpgs.data.feature_experiment import ExperimentData, build_splits, load_feature_experiment
 from dpgs.data.layout import FeatureLayout, resolve_layout
 from dpgs.data.manifest import Manifest, SlideRecord, load_manifest
 from dpgs.data.prefetch import Prefetcher

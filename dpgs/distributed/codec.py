@@ -1,23 +1,22 @@
-"""DPGS's use of the DMGC codec (``dpgs.compression``), worker to master and back.
+"""DPGS's use of the DMGC codec (``dpgs.compression``): the uplink (worker to master) and the weight-delta
+downlink, each with its state and ``state_dict``.
 
-* Up: each worker's :class:`GradientEncoder` keeps its error-feedback residual in a
-  :class:`~dpgs.compression.TopKCompressor` over the model's trainable-parameter layout (tensors with
-  fewer than ``dense_min_numel`` elements are sent dense inside the same payload). The master, and with
-  ``downlink=gradients`` every worker, sums the step's payloads with a :class:`GradientDecoder`, which
-  accepts only the configured wire format and layout and adds each payload's entries straight into one
-  float32 buffer.
-* Down (``downlink=delta``): the master's :class:`DeltaEncoder` wraps a
-  :class:`~dpgs.compression.DeltaBroadcaster` (top-k weight deltas with the master's own residual; a
-  dense snapshot every ``dense_sync_every`` steps); workers apply them with :func:`apply_delta`.
-* ``wire=dgc`` is the baseline of the bandwidth experiments: the same top-k selection and error
-  feedback, encoded as DGC does (raw int32 indices and fp32 values, no entropy coding).
+* :class:`Uplink`: a worker encodes its gradient sum at the step's keep ratio. Below 1 it is top-k with
+  error feedback (a :class:`~dpgs.compression.TopKCompressor` over the model's trainable-parameter layout;
+  tensors with fewer than ``dense_min_numel`` elements go dense inside the same payload); at 1 it is the
+  raw float32 vector, plus whatever the residual still held (which is then empty: nothing is ever lost
+  when a run switches from sparse to dense). The master, and with ``downlink=gradients`` every worker,
+  sums a step's messages in worker order into one float32 buffer, accepting only the configured wire
+  format, layout and value dtype.
+* :class:`DeltaDownlink` (``downlink=delta``): the master's versioned top-k weight deltas with its own
+  residual (a :class:`~dpgs.compression.DeltaBroadcaster`); workers apply them with :func:`apply_delta`.
+* ``wire=dgc`` is the baseline of the bandwidth experiments: the same top-k selection and error feedback,
+  encoded as DGC does (raw int32 indices and fp32 values, no entropy coding).
 """
 
 from __future__ import annotations
 
 import struct
-import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,11 +25,9 @@ from dpgs.compression import (
     KIND_GRADIENT,
     VALUE_DTYPES,
     DeltaBroadcaster,
-    KeepRatioSchedule,
     ParamLayout,
     PayloadError,
     TopKCompressor,
-    VersionMismatchError,
     apply_payload,
     decode,
 )
@@ -40,18 +37,6 @@ from dpgs.config.schema import CompressionConfig
 DGC_MAGIC = b"DGC1"
 _DGC_HEADER = struct.Struct("<4sQQ")
 EXACT_TOPK_MAX_NUMEL = 1 << 16  # above this the sampled selection is faster (measured, docs/compression.md)
-
-
-def keep_ratio_at(cfg: CompressionConfig, epoch_progress: float) -> float:
-    """Keep ratio at a point of training (``epoch_progress`` = completed epochs, fractional).
-
-    With ``warmup_epochs = W`` the ratio follows DGC's warm-up 25%, 6.25%, 1.5625%, ... for the first W
-    epochs (never below the target), then the target.
-    """
-    if cfg.warmup_epochs == 0 or cfg.keep_ratio >= 1.0:
-        return cfg.keep_ratio
-    schedule = KeepRatioSchedule.exponential(cfg.keep_ratio, epochs=cfg.warmup_epochs)
-    return schedule.ratio(int(epoch_progress))
 
 
 def encode_dgc(dense_sent: torch.Tensor) -> bytes:
@@ -65,12 +50,13 @@ def encode_dgc(dense_sent: torch.Tensor) -> bytes:
     )
 
 
-def decode_dgc(payload: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions int64, values float32) of a DGC-style payload for a vector of ``numel`` elements.
+def decode_dgc(payload, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions int64, values float32) of a DGC-style payload (bytes-like) for ``numel`` elements.
 
     Everything is checked against the header and ``numel`` before any allocation: magic, size, entry
     count, strictly increasing in-range indices, finite values. Any problem raises ``PayloadError``.
     """
+    payload = memoryview(payload).cast("B")
     if len(payload) < _DGC_HEADER.size:
         raise PayloadError(
             f"DGC payload of {len(payload)} bytes is shorter than its {_DGC_HEADER.size}-byte header"
@@ -87,7 +73,7 @@ def decode_dgc(payload: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
             f"DGC payload has {len(payload)} bytes, its header promises {count} entries "
             f"({_DGC_HEADER.size + 8 * count} bytes)"
         )
-    body = memoryview(payload)[_DGC_HEADER.size :]
+    body = payload[_DGC_HEADER.size :]
     idx = np.frombuffer(body[: 4 * count], dtype="<i4").astype(np.int64)
     if count and (idx[0] < 0 or idx[-1] >= numel or (np.diff(idx) <= 0).any()):
         raise PayloadError("DGC payload indices are not strictly increasing within [0, numel)")
@@ -97,80 +83,56 @@ def decode_dgc(payload: bytes, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(idx), values
 
 
-@dataclass(frozen=True)
-class EncodeStats:
-    seconds: float
-    dense_bytes: int
-    count: int
+class Uplink:
+    """Worker to master: a worker's gradient sum at a keep ratio, and the sum of a step's messages."""
 
-
-class GradientEncoder:
-    """Worker side: top-k with error feedback over the model's trainable parameters."""
-
-    def __init__(self, cfg: CompressionConfig, model: torch.nn.Module):
-        self.cfg = cfg
-        self.layout = ParamLayout.from_module(model, dense_min_numel=cfg.dense_min_numel)
-        self.compressor = self._compressor()
-
-    def _compressor(self) -> TopKCompressor:
-        cfg = self.cfg
-        return TopKCompressor(
-            keep_ratio=cfg.keep_ratio,
+    def __init__(self, cfg: CompressionConfig, layout: ParamLayout):
+        self.wire = cfg.wire
+        self.numel = layout.numel
+        self.dtype = VALUE_DTYPES["fp32" if cfg.wire == "dgc" else cfg.value_dtype]
+        self.compressor = TopKCompressor(
             clip_norm=cfg.clip_norm,
             value_dtype="fp32" if cfg.wire == "dgc" else cfg.value_dtype,
             zstd_level=cfg.zstd_level,
             momentum_correction=cfg.momentum_correction,
             dense_min_numel=cfg.dense_min_numel,
-            layout=self.layout,
+            layout=layout,
             exact_max_numel=EXACT_TOPK_MAX_NUMEL,
         )
 
-    def encode(self, grad: torch.Tensor, keep_ratio: float) -> tuple[bytes, EncodeStats]:
-        start = time.perf_counter()
-        self.compressor.keep_ratio = keep_ratio
-        payload = self.compressor.compress(grad)
-        stats = self.compressor.last_stats
-        if self.cfg.wire == "dgc":
+    def encode(self, grad: torch.Tensor, keep_ratio: float) -> bytes | torch.Tensor:
+        """What a worker sends for ``grad`` (flat float32): raw float32 at ``keep_ratio >= 1``, else the
+        payload of the top ``keep_ratio`` of ``residual + grad``."""
+        if keep_ratio >= 1.0:
+            return self.compressor.flush(grad)
+        payload = self.compressor.compress(grad, keep_ratio)
+        if self.wire == "dgc":
             payload = encode_dgc(decode(payload).to_dense())
-        return payload, EncodeStats(time.perf_counter() - start, stats.dense_bytes, stats.count)
+        return payload
 
-    def reset(self) -> None:
-        """A new fold: forget the residual (and the momentum)."""
-        self.compressor = self._compressor()
-
-    def state_dict(self) -> dict:
-        """The error-feedback state (residual, momentum, step, selection generator) for checkpoints."""
-        return self.compressor.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.compressor.load_state_dict(state)
-
-
-class GradientDecoder:
-    """Sums the workers' gradient payloads of a step into one float32 vector, validating each.
-
-    Only the configured wire format is accepted, with the model's element count and the configured value
-    dtype; an empty payload stands for a worker that had no bag in the step.
-    """
-
-    def __init__(self, cfg: CompressionConfig, numel: int):
-        self.wire = cfg.wire
-        self.dtype = VALUE_DTYPES["fp32" if cfg.wire == "dgc" else cfg.value_dtype]
-        self.numel = numel
-
-    def sum_into(self, total: torch.Tensor, payloads: list[bytes], counts: list[int]) -> torch.Tensor:
-        """``total += sum_w decode(payloads[w])`` in worker order; ``counts[w]``: bags worker w had."""
-        for worker, (payload, count) in enumerate(zip(payloads, counts, strict=True)):
-            if count == 0 or not payload:
-                if count != 0 or payload:
-                    raise PayloadError(f"worker {worker} sent {len(payload)} bytes for {count} bags")
+    def sum_into(
+        self, total: torch.Tensor, parts: list[torch.Tensor], counts: list[int], keep_ratio: float
+    ) -> torch.Tensor:
+        """``total += sum_w part_w`` in worker order. ``parts``: the workers' messages (uint8 tensors: raw
+        float32 at ``keep_ratio >= 1``, else payloads); ``counts[w]``: the bags worker w had (an empty
+        message stands for a worker without bags, and only for one)."""
+        for worker, (part, count) in enumerate(zip(parts, counts, strict=True)):
+            if count == 0 or part.numel() == 0:
+                if count != 0 or part.numel():
+                    raise PayloadError(f"worker {worker} sent {part.numel()} bytes for {count} bags")
+                continue
+            if keep_ratio >= 1.0:
+                if part.numel() != 4 * self.numel:
+                    raise PayloadError(f"worker {worker} sent {part.numel()} bytes of dense gradient, "
+                                       f"expected {4 * self.numel}")
+                total.add_(part.view(torch.float32))
                 continue
             try:
                 if self.wire == "dgc":
-                    add_sparse_(total, *decode_dgc(payload, self.numel))
+                    add_sparse_(total, *decode_dgc(part.numpy(), self.numel))
                 else:
                     decode(
-                        payload,
+                        memoryview(part.numpy()),
                         expected_numel=self.numel,
                         expected_kinds=(KIND_GRADIENT,),
                         expected_dtype=self.dtype,
@@ -179,13 +141,21 @@ class GradientDecoder:
                 raise PayloadError(f"gradient payload of worker {worker}: {err}") from None
         return total
 
+    def state_dict(self) -> dict:
+        """The error-feedback state (residual, momentum, step, selection generator)."""
+        return self.compressor.state_dict()
 
-class DeltaEncoder:
-    """Master side of ``downlink=delta``: versioned top-k weight deltas with the master's residual."""
+    def load_state_dict(self, state: dict) -> None:
+        self.compressor.load_state_dict(state)
+
+
+class DeltaDownlink:
+    """Master to workers with ``downlink=delta``: versioned top-k weight deltas with the master's residual
+    (``held`` = what in-sync workers hold), or the weights themselves at keep ratio 1."""
 
     def __init__(self, cfg: CompressionConfig):
+        self.value_dtype = cfg.value_dtype
         self.broadcaster = DeltaBroadcaster(
-            keep_ratio=cfg.keep_ratio,
             value_dtype=cfg.value_dtype,
             dense_sync_every=cfg.dense_sync_every,
             dense_min_numel=cfg.dense_min_numel,
@@ -193,8 +163,8 @@ class DeltaEncoder:
             exact_max_numel=EXACT_TOPK_MAX_NUMEL,
         )
 
-    def start(self, params: torch.Tensor, version: int) -> None:
-        """Workers hold ``params`` at ``version`` (new fold, resume, resync)."""
+    def restart(self, params: torch.Tensor, version: int) -> None:
+        """Workers hold ``params`` at ``version`` (new fold, dense step)."""
         self.broadcaster.restart(params, version)
 
     @property
@@ -203,15 +173,19 @@ class DeltaEncoder:
         return self.broadcaster.held
 
     def update(self, params: torch.Tensor, keep_ratio: float) -> bytes:
-        self.broadcaster.keep_ratio = keep_ratio
-        payload, _ = self.broadcaster.step(params)
+        """The delta payload taking in-sync workers one version towards ``params``."""
+        payload, _ = self.broadcaster.step(params, keep_ratio)
         return payload
 
+    def state_dict(self) -> dict:
+        return self.broadcaster.state_dict()
 
-def apply_delta(flat: torch.Tensor, version: int, payload: bytes, value_dtype: str) -> int:
-    """Worker side of ``downlink=delta``: apply the master's delta (or snapshot) to ``flat`` in place;
-    returns the new version. Raises ``PayloadError`` (``VersionMismatchError`` for an out-of-order delta)."""
-    return apply_payload(flat, payload, version, expected_dtype=VALUE_DTYPES[value_dtype])
+    def load_state_dict(self, state: dict) -> None:
+        self.broadcaster.load_state_dict(state)
 
 
-__all__ = ["VersionMismatchError", "apply_delta", "decode_dgc", "encode_dgc", "keep_ratio_at"]
+def apply_delta(flat: torch.Tensor, version: int, payload: torch.Tensor, value_dtype: str) -> int:
+    """Worker side of ``downlink=delta``: apply the master's delta (or snapshot) ``payload`` (uint8 tensor)
+    to ``flat`` in place; returns the new version. Raises ``PayloadError`` (``VersionMismatchError`` for an
+    out-of-order delta)."""
+    return apply_payload(flat, memoryview(payload.numpy()), version, expected_dtype=VALUE_DTYPES[value_dtype])

@@ -35,32 +35,6 @@ def load_flat_params(model: torch.nn.Module, flat: torch.Tensor) -> None:
             offset += p.numel()
 
 
-def set_flat_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    params = trainable(model)
-    offset = 0
-    for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype).clone()
-        offset += p.numel()
-
-
 def float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     """Floating-point buffers (BatchNorm running statistics); integer counters are excluded."""
     return [b for b in model.buffers() if b.is_floating_point()]
-
-
-def flat_buffers(model: torch.nn.Module) -> torch.Tensor | None:
-    """Floating-point buffers as one float64 vector (None when the model has none)."""
-    buffers = float_buffers(model)
-    if not buffers:
-        return None
-    return torch.cat([b.detach().reshape(-1).double().cpu() for b in buffers])
-
-
-def load_flat_buffers(model: torch.nn.Module, flat: torch.Tensor | None) -> None:
-    if flat is None:
-        return
-    offset = 0
-    with torch.no_grad():
-        for b in float_buffers(model):
-            b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
-            offset += b.numel()

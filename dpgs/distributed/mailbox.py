@@ -15,8 +15,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dpgs.distributed.channel import ChannelBroken
-from dpgs.distributed.messages import MASTER_RANK
+from dpgs.distributed.transport import MASTER_RANK, ChannelBroken
 
 EVERY_WORKER = -1
 
@@ -64,7 +63,7 @@ class Mailbox:
 
 
 class MailboxChannel:
-    """:class:`~dpgs.distributed.channel.Channel` over a :class:`Mailbox` actor."""
+    """:class:`~dpgs.distributed.transport.Channel` over a :class:`Mailbox` actor."""
 
     def __init__(self, rank: int, world: int, mailbox, generation: int, timeout_s: float):
         self.rank, self.world = rank, world

@@ -1,8 +1,8 @@
 """The messages that cross actor boundaries in DPGS (driver, master, workers), as dataclasses.
 
-Ranks: the master is rank 0 of the DPGS group, worker ``w`` (0-based) is rank ``w + 1``. A step's
-*version* is the number of optimizer steps the model has taken: step ``index`` takes every replica from
-version ``index`` to ``index + 1``.
+Ranks: the master is rank 0 of the DPGS group, worker ``w`` (0-based) is rank ``w + 1``
+(``dpgs.distributed.transport``). A step's *version* is the number of optimizer steps the model has
+taken: step ``index`` takes every replica from version ``index`` to ``index + 1``.
 """
 
 from __future__ import annotations
@@ -10,13 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-MASTER_RANK = 0
-
-
-def worker_rank(worker: int) -> int:
-    """Group rank of worker ``worker`` (0-based)."""
-    return worker + 1
 
 
 @dataclass(frozen=True)
@@ -62,15 +55,6 @@ class ChunkPlan:
 
 
 @dataclass(frozen=True)
-class FoldStart:
-    """Every rank's state at the start of a fold: the initial weights and the fold's class weights."""
-
-    name: str
-    model_state: dict[str, torch.Tensor]
-    class_weights: torch.Tensor | None
-
-
-@dataclass(frozen=True)
 class ReplicaState:
     """What every in-sync worker holds at ``version`` (sent after a failure, a resume or a new fold).
 
@@ -101,8 +85,7 @@ class WorkerStep:
     apply_seconds: float  # decoding the update, optimizer step or delta, loading weights
     up_bytes: int
     down_bytes: int
-    dense_bytes: int  # 4 bytes per element of the same transfers, uncompressed
-    link_seconds: float = 0.0  # dpgs.emulate_bandwidth_mbps
+    dense_bytes: int  # the same message up uncompressed: 4 bytes per gradient value, 8 per buffer value
     halo_bytes: int = 0  # sample-parallel groups: traffic among the group's ranks
     group_restarts: int = 0
 

@@ -1,9 +1,10 @@
 """A model as a DPGS step sees it: flat trainable parameters, floating-point buffers, an optimizer.
 
-The master holds one with an optimizer; workers hold one without (``downlink=delta``, dense steps) or
-with a replica of the master's optimizer (``downlink=gradients``): given the same averaged gradient, the
-same clip factor and learning rate, :meth:`Replica.step` takes exactly the master's step (one function,
-:func:`dpgs.train.optim.optimizer_step`; the same thread count on every rank keeps it bit for bit).
+The master holds one with an optimizer; workers hold one with a replica of the master's optimizer where
+they take the master's steps themselves (``downlink=gradients``), else without: given the same averaged
+gradient, the same clip factor and learning rate, :meth:`Replica.step` takes exactly the master's step
+(one function, :func:`dpgs.train.optim.optimizer_step`; the same thread count on every rank keeps it bit
+for bit).
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from dpgs.train.optim import build_optimizer, optimizer_step
 
 
 class Replica:
-    def __init__(self, model: torch.nn.Module, train_cfg: TrainConfig | None):
+    """``model`` (trained in place), its optimizer when it steps (see :meth:`restart`) and its version."""
+
+    def __init__(self, model: torch.nn.Module, train_cfg: TrainConfig):
         self.model = model
         self.train_cfg = train_cfg
         self.params = trainable(model)
         self.numel = sum(p.numel() for p in self.params)
         self.buffer_list = float_buffers(model)
         self.n_buffers = sum(b.numel() for b in self.buffer_list)
-        self.optimizer = build_optimizer(self.params, train_cfg) if train_cfg is not None else None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0
 
     def flat_params(self) -> torch.Tensor:
@@ -61,13 +64,13 @@ class Replica:
             offset += p.numel()
         optimizer_step(self.optimizer, self.params, lr, clip)
 
-    def state(self, params: torch.Tensor | None = None) -> ReplicaState:
-        """What an in-sync worker holds (``params``, when given, replaces the parameters: a delta
-        broadcast's ``held``)."""
+    def state(self, params: torch.Tensor) -> ReplicaState:
+        """What an in-sync worker holds: flat parameters ``params`` (the master's own, or a delta
+        broadcast's ``held``) with this replica's buffers, optimizer state and version."""
         buffers = self.flat_buffers()
         return ReplicaState(
             version=self.version,
-            params=self.flat_params() if params is None else params.clone(),
+            params=params,
             buffers=None if buffers is None else buffers.float(),
             optimizer=None if self.optimizer is None else self.optimizer.state_dict(),
         )
@@ -81,9 +84,9 @@ class Replica:
             self.optimizer.load_state_dict(state.optimizer)
         self.version = state.version
 
-    def restart(self, model_state: dict) -> None:
-        """A new fold: the fold's initial weights, a fresh optimizer, version 0."""
+    def restart(self, model_state: dict, with_optimizer: bool) -> None:
+        """A new fold: the fold's initial weights, a fresh optimizer (``with_optimizer``) or none,
+        version 0."""
         self.model.load_state_dict(model_state)
-        if self.optimizer is not None:
-            self.optimizer = build_optimizer(self.params, self.train_cfg)
+        self.optimizer = build_optimizer(self.params, self.train_cfg) if with_optimizer else None
         self.version = 0

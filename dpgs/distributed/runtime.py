@@ -1,11 +1,9 @@
-"""Connecting to Ray and reserving resources for the workers.
+"""Connecting to Ray, and the resources each worker gets.
 
 * ``dpgs.address`` unset: always start a new local Ray instance sized to this machine
   (``address="local"``: another Ray on the machine, ``RAY_ADDRESS`` or a stale cluster file are ignored;
   dashboard off unless ``dpgs.dashboard``; object store ``dpgs.object_store_gb`` or 20% of RAM capped at
   8 GiB). ``auto`` or ``host:port``: join an existing cluster, with a clear error when there is none.
-* Workers get one placement-group bundle each, so the run starts only when all of them fit; when
-  they cannot, the error names the request and what the cluster has instead of hanging.
 * On one machine, P virtual nodes share its CPUs (``cpus_per_worker`` = CPUs / P, so that the workers
   pack evenly onto the nodes) and GPU (``gpus_per_worker`` = 1 / P of a GPU); torch threads per worker are
   floor(cpus_per_worker), at least 1, so the workers together do not oversubscribe the cores.
@@ -20,20 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray._raylet import PlacementGroupID
-from ray.util.placement_group import (
-    PlacementGroup,
-    placement_group,
-    placement_group_table,
-    remove_placement_group,
-)
 
 from dpgs.config.schema import DpgsConfig
 from dpgs.errors import RunFailure
 from dpgs.interrupts import keep_signal_handlers
 from dpgs.runwatch import WATCHER
-
-PLACEMENT_TIMEOUT_S = 60.0
 
 
 class ClusterError(RunFailure):
@@ -111,6 +100,8 @@ def connect(cfg: DpgsConfig) -> None:
 
 @dataclass
 class WorkerResources:
+    """One worker's CPU and GPU share, its torch thread count and its device."""
+
     cpus: float
     gpus: float
     threads: int
@@ -132,42 +123,3 @@ def worker_resources(cfg: DpgsConfig, train_device: str) -> WorkerResources:
         gpus = min(1.0, total_gpus / cfg.workers) if use_gpu else 0.0
     threads = max(1, int(cpus))
     return WorkerResources(cpus=cpus, gpus=gpus, threads=threads, device="cuda" if gpus > 0 else "cpu")
-
-
-def reserve(workers: int, res: WorkerResources, timeout_s: float = PLACEMENT_TIMEOUT_S, name: str = ""):
-    """A placement group with one bundle per worker (spread over nodes when there are several).
-
-    ``name`` (optional) names the placement group, so that ``release_named`` can find it again.
-    """
-    bundle = {"CPU": res.cpus}
-    if res.gpus > 0:
-        bundle["GPU"] = res.gpus
-    group = placement_group([dict(bundle) for _ in range(workers)], strategy="SPREAD", name=name)
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        remove_placement_group(group)
-        raise ClusterError(
-            f"cannot place {workers} workers with {bundle} each within {timeout_s:.0f}s; the cluster has "
-            f"{ray.cluster_resources()}. Lower dpgs.workers, dpgs.cpus_per_worker or dpgs.gpus_per_worker."
-        )
-    return group
-
-
-def release(group) -> None:
-    remove_placement_group(group)
-
-
-def release_named(prefix: str) -> int:
-    """Remove every live placement group whose name starts with ``prefix``; returns how many.
-
-    A placement group outlives the actor that created it (its lifetime is the job's), so an actor that
-    Ray restarts (``workers.GroupWorker``) frees what its dead incarnation reserved with this.
-    """
-    if not prefix:
-        raise ValueError("release_named needs a non-empty prefix")
-    removed = 0
-    for pg_id, info in placement_group_table().items():
-        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
-            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
-            removed += 1
-    return removed

@@ -1,26 +1,83 @@
-"""The DPGS session: one worker pool for every fold of a ``dpgs train`` command (``train.mode=dpgs``)."""
+"""The DPGS session: Ray, the actors and their group, started once for every fold of a ``dpgs train``
+command (``train.mode=dpgs``); each fold only resets the actors' state (``DpgsEngine``)."""
 
 from __future__ import annotations
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from dpgs.config import Config
-from dpgs.distributed.engine import DpgsEngine
-from dpgs.distributed.pool import WorkerPool
+from dpgs.distributed.actors import Bundle, PlacedActors, release_named
+from dpgs.distributed.dpgs_engine import DpgsEngine
+from dpgs.distributed.rank_group import RankGroup
+from dpgs.distributed.roles import Roles, WorkerLaunch
+from dpgs.distributed.runtime import connect
 from dpgs.train.engine import FoldSetup
 
 
-class DpgsSession:
-    """Starts Ray and the actors with the first fold; later folds only reset the actors' state."""
+def start_workers(roles: Roles, config: Config, spec, dataset) -> tuple[PlacedActors, WorkerLaunch]:
+    """The P worker actors of ``roles.worker`` (printing where each runs)."""
+    cfg = config.dpgs
+    launch = roles.worker.launch(config)
+    workers = PlacedActors(
+        roles.worker,
+        cfg.workers,
+        lambda w: (w, spec, dataset, config, launch.device, launch.threads),
+        bundle=Bundle(launch.cpus, launch.gpus),
+        placed=launch.placed,
+        max_restarts=cfg.max_worker_restarts,
+        timeout_s=cfg.call_timeout_s,
+        kwargs_of=lambda w: launch.kwargs[w] if launch.kwargs else {},
+    )
+    try:
+        where = workers.get(workers.call("where"))
+    except BaseException:  # workers that could not start: leave nothing behind
+        workers.close()
+        if launch.reservation_prefix:
+            release_named(launch.reservation_prefix)
+        raise
+    for lines in where:
+        for line in lines:
+            print(f"[dpgs] {line}", flush=True)
+    return workers, launch
 
-    def __init__(self, config: Config):
+
+class DpgsSession:
+    """Starts Ray and the actors with the first fold; later folds only reset the actors' state.
+
+    ``roles``: the master and worker classes (``dpgs.runner.dpgs_roles``)."""
+
+    def __init__(self, config: Config, roles: Roles):
         self.config = config
-        self.pool: WorkerPool | None = None
+        self.roles = roles
+        self.group: RankGroup | None = None
+        self.launch: WorkerLaunch | None = None
+
+    def _start(self, setup: FoldSetup) -> RankGroup:
+        config = setup.config
+        connect(config.dpgs)
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        workers, self.launch = start_workers(self.roles, config, setup.spec, setup.dataset)
+        master = (
+            ray.remote(self.roles.master)
+            .options(num_cpus=0, max_restarts=0, max_task_retries=0, scheduling_strategy=here)
+            .remote(setup.spec, config, self.launch.threads)
+        )
+        try:
+            return RankGroup(config.dpgs, master, workers, here)
+        except BaseException:
+            ray.kill(master, no_restart=True)
+            workers.close()
+            raise
 
     def engine(self, setup: FoldSetup) -> DpgsEngine:
-        if self.pool is None:
-            self.pool = WorkerPool(setup.config, setup.spec, setup.dataset)
-        return DpgsEngine(self.pool, setup)
+        if self.group is None:
+            self.group = self._start(setup)
+        return DpgsEngine(self.group, setup)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        if self.group is not None:
+            self.group.close()
+            if self.launch.reservation_prefix:  # reservations of workers that died without closing
+                release_named(self.launch.reservation_prefix)
+            self.group = None

@@ -1,33 +1,23 @@
-"""The engine contract of the trainer, and the single-process engine (every non-distributed mode).
+"""The engine contract of the trainer: what one fold needs (:class:`FoldSetup`), what trains it
+(:class:`Engine`) and what lives for a whole command (:class:`Session`).
 
 An :class:`Engine` runs the optimizer steps of an epoch and exposes the current model for evaluation; a
 :class:`Session` lives for a whole ``dpgs train`` command and builds one engine per fold (the DPGS session,
-``dpgs.distributed.session``, keeps Ray and its actors across folds). The trainer only knows these two
-protocols, so ``dpgs.train`` never imports ``dpgs.distributed``; ``dpgs.runner`` picks the session.
-
-Gradient accumulation over ``accumulation_steps`` batches back-propagates ``loss / accumulation_steps``
-and zeroes gradients only after the optimizer step that consumed them. A partial accumulation window at
-the end of an epoch is rescaled to the mean over the batches it holds and applied.
+``dpgs.distributed.session``, keeps Ray and its actors across folds; ``dpgs.train.local_engine`` runs the
+single-process modes). The trainer only knows these protocols, so ``dpgs.train`` never imports
+``dpgs.distributed``; ``dpgs.runner`` picks the session.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from tqdm.auto import tqdm
 
-from dpgs.config.schema import Config, TrainConfig
-from dpgs.data import Prefetcher
-from dpgs.modeling import input_to
-from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
-from dpgs.train.optim import build_optimizer, clip_coefficient, grad_norm, learning_rate, optimizer_step
-from dpgs.train.steps import batch_loss, check_mode_supported
+from dpgs.config.schema import Config
+from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
 @dataclass
@@ -84,125 +74,3 @@ class Session(Protocol):
 
     def close(self) -> None:
         """Release everything (called once, after the last fold)."""
-
-
-class LocalSession:
-    """Single-process modes: a fresh :class:`LocalEngine` per fold, nothing held between folds."""
-
-    def engine(self, setup: FoldSetup) -> LocalEngine:
-        cfg = setup.config
-        return LocalEngine(setup.model, cfg.train, setup.device, setup.class_weights, cfg.seed, setup.dataset,
-                           cfg.data.prefetch, setup.eval_dataset)
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-class LocalEngine:
-    """Trains ``model`` in-process on batches of loaded bags."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        cfg: TrainConfig,
-        device: torch.device,
-        class_weights: torch.Tensor | None,
-        seed: int,
-        dataset,
-        prefetch: int = 2,
-        eval_dataset=None,
-    ):
-        check_mode_supported(model, cfg.mode)
-        self.model = model.to(device)
-        self.cfg = cfg
-        self.device = device
-        self.class_weights = None if class_weights is None else class_weights.to(device)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg)
-        self.sample_gen = torch.Generator().manual_seed(seed)
-        self.dataset = dataset
-        self.eval_dataset = dataset if eval_dataset is None else eval_dataset
-        self.prefetch = prefetch
-        self.pending = 0  # batches back-propagated since the last optimizer step
-        self.steps = 0
-        self.lr = cfg.lr  # learning rate of the next optimizer step
-
-    def _apply(self) -> None:
-        if self.pending == 0:
-            return
-        if self.pending != self.cfg.accumulation_steps:
-            scale = self.cfg.accumulation_steps / self.pending
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        clip = clip_coefficient(grad_norm(self.params), self.cfg.grad_clip) if self.cfg.grad_clip else 1.0
-        optimizer_step(self.optimizer, self.params, self.lr, clip)
-        self.pending = 0
-        self.steps += 1
-
-    def train_batch(self, bags: list) -> tuple[float, int]:
-        """Back-propagate one batch; step when the accumulation window is full. Returns (loss sum, B)."""
-        features = [input_to(self.model, b.features, self.device) for b in bags]
-        labels = torch.tensor([b.label for b in bags], device=self.device)
-        out = batch_loss(
-            self.model,
-            features,
-            labels,
-            self.cfg.mode,
-            self.class_weights,
-            self.cfg.sample_size,
-            self.sample_gen,
-        )
-        (out["loss"] / self.cfg.accumulation_steps).backward()
-        self.pending += 1
-        if self.pending == self.cfg.accumulation_steps:
-            self._apply()
-        return float(out["loss"].detach()) * len(bags), len(bags)
-
-    def run_epoch(self, batches: list[list[int]], epoch: int, history: list[dict] | None = None) -> dict:
-        """Train on every batch of bag indices (loaded ahead in a background thread).
-
-        Returns ``train_loss`` (mean per bag) and ``train_seconds``.
-        """
-        self.model.train()
-        total, count, steps_before = 0.0, 0, self.steps
-        start = time.perf_counter()
-        accumulate = self.cfg.accumulation_steps
-        steps_per_epoch = math.ceil(len(batches) / accumulate)
-        loaded = Prefetcher(self.dataset, batches, depth=self.prefetch, epoch=epoch)  # tiles: epoch's sample
-        for b, bags in enumerate(tqdm(loaded, total=len(batches), desc=f"epoch {epoch}", leave=False,
-                                      disable=None)):
-            self.lr = learning_rate(self.cfg, epoch, b // accumulate, steps_per_epoch)
-            loss_sum, n = self.train_batch(bags)
-            total += loss_sum
-            count += n
-        self._apply()
-        return {
-            "train_loss": total / max(count, 1),
-            "train_seconds": time.perf_counter() - start,
-            "optimizer_steps": float(self.steps - steps_before),
-        }
-
-    def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
-        """On this process: one shard holding every bag (``state``: scored on a copy of the model)."""
-        model = self.model
-        if state is not None:
-            model = copy.deepcopy(self.model)
-            model.load_state_dict(state)
-        return score_bags(model, self.eval_dataset, indices, protocol, self.device)
-
-    def state_dict(self) -> dict:
-        return self.model.state_dict()
-
-    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> None:
-        """Single-process runs are not resumable mid-run (``last.pt``/``best.pt`` hold their weights)."""
-        return None
-
-    def restore(self, checkpoint: dict) -> dict:
-        raise ValueError("--resume needs train.mode=dpgs (single-process runs restart from best.pt)")
-
-    def final_metrics(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        """Nothing to release in-process."""

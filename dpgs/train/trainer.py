@@ -1,13 +1,12 @@
 """The training loop shared by every mode: epochs, validation, early stopping, checkpoints, MLflow.
 
-``run_training(config, session)`` validates all inputs first (nothing is written when they are bad), then
+``train_splits(config, session)`` validates all inputs first (nothing is written when they are bad), then
 trains one run, or a parent run with one nested run per fold when ``data.folds > 1``, with the engines of
 ``session`` (:class:`~dpgs.train.engine.Session`; ``dpgs.runner.run_training`` picks it from the mode).
 
-Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives ``config.yaml``, ``classes.json``,
-``metrics.csv`` (one row per epoch), ``last.pt`` and ``best.pt`` (plain state_dicts),
-``training_curves.png`` and ``run.json`` (the MLflow run id, experiment and tracking URI of the fold, so
-``dpgs heatmap --run DIR`` finds the run to log to). The best epoch maximises (or minimises)
+Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives the run records of ``dpgs.records``
+(config, classes, metrics per epoch, last and best weights, curves, and ``run.json`` with the fold's MLflow
+run, so ``dpgs heatmap --run DIR`` finds the run to log to). The best epoch maximises (or minimises)
 ``train.early_stopping.monitor``; with no validation bags the last epoch is the best.
 """
 
@@ -38,12 +37,29 @@ from dpgs.outputs import (
     write_text_atomically,
 )
 from dpgs.plots import plot_training_curves
+from dpgs.records import (
+    ARTIFACTS,
+    BEST_WEIGHTS,
+    CLASSES_FILE,
+    CONFIG_FILE,
+    CURVES_FILE,
+    LAST_WEIGHTS,
+    METRICS_FILE,
+    PARAM_STEPS_PER_EPOCH,
+    REPLACED_BY_A_NEW_RUN,
+    TAG_FOLD,
+    TAG_KFOLD_PARENT,
+    TAG_MODE,
+    TAG_MODEL,
+    Checkpoint,
+    write_run_file,
+)
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
 from dpgs.train.engine import Engine, FoldSetup, Session
 from dpgs.train.evaluate import EvalPlan, validation_protocol
 from dpgs.train.optim import class_weights_for
-from dpgs.train.resume import check_resume, check_resume_classes
+from dpgs.train.resume_check import check_resume, check_resume_classes
 from dpgs.train.steps import check_mode_supported
 
 
@@ -112,10 +128,10 @@ class FoldTrainer:
                 writer.writeheader()
                 writer.writerows(history)
 
-        return write_atomically(self.out_dir / "metrics.csv", write)
+        return write_atomically(self.out_dir / METRICS_FILE, write)
 
-    def run(self, tracker: RunTracker, session: Session, checkpoint: dict | None = None) -> FoldResult:
-        """Train and test the split; ``checkpoint`` (already checked, see dpgs.train.resume) is continued."""
+    def run(self, tracker: RunTracker, session: Session, checkpoint: Checkpoint | None = None) -> FoldResult:
+        """Train and test the split; ``checkpoint`` (checked by dpgs.train.resume_check) is continued."""
         cfg = self.config
         seed_everything(cfg.seed, cfg.train.deterministic)
         train_idx, val_idx, test_idx = self.split.train, self.split.val, self.split.test
@@ -125,10 +141,10 @@ class FoldTrainer:
         spec = ModelSpec(cfg.model, in_dim, self.num_classes)
         model = initial_model(spec)
         batch_size = 1 if cfg.train.mode == "classic" else cfg.train.batch_size
-        steps_per_epoch = math.ceil(len(train_idx) / batch_size)
+        batches_per_epoch = math.ceil(len(train_idx) / batch_size)
         tracker.log_params(
             {
-                "steps_per_epoch": steps_per_epoch,
+                PARAM_STEPS_PER_EPOCH: math.ceil(batches_per_epoch / cfg.train.accumulation_steps),
                 "n_train": len(train_idx),
                 "n_val": len(val_idx),
                 "n_test": len(test_idx),
@@ -137,9 +153,7 @@ class FoldTrainer:
                 "n_trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
             }
         )
-        write_text_atomically(self.out_dir / "run.json", json.dumps(
-            {"run_id": tracker.run_id, "experiment": cfg.experiment, "tracking_uri": cfg.tracking.uri}
-        ))
+        write_run_file(self.out_dir, tracker.run_id, cfg.experiment, cfg.tracking.uri)
         setup = FoldSetup(cfg, spec, model, class_weights, self.dataset, train_idx, self.device, self.out_dir,
                           self.eval_dataset)
         with keep_signal_handlers():  # an engine that starts Ray gets Ray's SIGTERM handler: keep ours
@@ -177,13 +191,13 @@ class FoldTrainer:
                 row["elapsed_seconds"] = time.perf_counter() - start
                 history.append(row)
                 weights = engine.state_dict()
-                save_torch_atomically(weights, self.out_dir / "last.pt")
+                save_torch_atomically(weights, self.out_dir / LAST_WEIGHTS)
                 value = row.get(monitor)
                 improved = is_improvement(value, best_value, mode) if val_idx else True
                 if improved:
                     best_value = value if val_idx else None
                     best_epoch, best_elapsed, stale = epoch, row["elapsed_seconds"], 0
-                    save_torch_atomically(weights, self.out_dir / "best.pt")
+                    save_torch_atomically(weights, self.out_dir / BEST_WEIGHTS)
                 else:
                     stale += 1
                 tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
@@ -196,10 +210,10 @@ class FoldTrainer:
                 if cfg.train.early_stopping.patience and stale >= cfg.train.early_stopping.patience:
                     print(f"[{self.split.name}] early stopping: no {monitor} improvement for {stale} epochs")
                     break
-            if not (self.out_dir / "best.pt").exists():
-                save_torch_atomically(engine.state_dict(), self.out_dir / "best.pt")
+            if not (self.out_dir / BEST_WEIGHTS).exists():
+                save_torch_atomically(engine.state_dict(), self.out_dir / BEST_WEIGHTS)
                 best_epoch, best_elapsed = history[-1]["epoch"], history[-1]["elapsed_seconds"]
-            best = torch.load(self.out_dir / "best.pt", weights_only=True)
+            best = torch.load(self.out_dir / BEST_WEIGHTS, weights_only=True)
             plan = EvalPlan.from_config(cfg.eval, cfg.seed)
             test = {}
             if test_idx:
@@ -211,8 +225,8 @@ class FoldTrainer:
             close_after_error(engine)
             raise
         engine.close()
-        curves = plot_training_curves(history, self.out_dir / "training_curves.png", title=self.split.name)
-        for name in ("config.yaml", "classes.json", "metrics.csv", "best.pt"):
+        curves = plot_training_curves(history, self.out_dir / CURVES_FILE, title=self.split.name)
+        for name in ARTIFACTS:
             tracker.log_artifact(self.out_dir / name)
         tracker.log_artifact(curves)
         return FoldResult(self.split.name, tracker.run_id, self.out_dir, best_epoch, test, history)
@@ -243,12 +257,12 @@ def prepare_output_dir(config: Config, out_dir: Path, classes: list[str]) -> Non
         print(f"[dpgs] removed {len(removed)} temporary file(s) left by an interrupted write in {out_dir}")
     resuming = config.dpgs.resume is not None
     if not resuming:
-        for stale in ("best.pt", "last.pt", "metrics.csv", "checkpoint.pt"):
+        for stale in REPLACED_BY_A_NEW_RUN:
             (out_dir / stale).unlink(missing_ok=True)
-    if not resuming or not (out_dir / "config.yaml").is_file():
-        save_config(config, out_dir / "config.yaml")
-    if not resuming or not (out_dir / "classes.json").is_file():
-        write_text_atomically(out_dir / "classes.json", json.dumps(classes))
+    if not resuming or not (out_dir / CONFIG_FILE).is_file():
+        save_config(config, out_dir / CONFIG_FILE)
+    if not resuming or not (out_dir / CLASSES_FILE).is_file():
+        write_text_atomically(out_dir / CLASSES_FILE, json.dumps(classes))
 
 
 def check_model(config: Config, data: ExperimentData) -> None:
@@ -262,12 +276,12 @@ def check_model(config: Config, data: ExperimentData) -> None:
         raise ConfigError(str(err)) from None  # the messages name the key (model.name, model.params, ...)
 
 
-def run_training(config: Config, session: Session) -> TrainingResult:
+def train_splits(config: Config, session: Session) -> TrainingResult:
     """Check everything, then train every split with ``session``'s engines; returns the (parent) run id and
     the results. The caller owns ``session`` (and closes it).
 
     Before anything is written or started: a resume is checked against its checkpoint
-    (:mod:`dpgs.train.resume`), every input is validated and the model is built once. Then
+    (:mod:`dpgs.train.resume_check`), every input is validated and the model is built once. Then
     ``train.output_dir`` is locked for the whole run (:mod:`dpgs.outputs`). A run that does not finish is
     ended in MLflow as KILLED (interrupted) or FAILED (:meth:`RunTracker.fail`); its checkpoints stay.
     """
@@ -281,8 +295,8 @@ def run_training(config: Config, session: Session) -> TrainingResult:
 
 
 def _train_splits(config: Config, session: Session, data: ExperimentData, root: Path,
-                  checkpoint: dict | None) -> TrainingResult:
-    tags = {"dpgs.mode": config.train.mode, "dpgs.model": config.model.name}
+                  checkpoint: Checkpoint | None) -> TrainingResult:
+    tags = {TAG_MODE: config.train.mode, TAG_MODEL: config.model.name}
     params = flatten(config_to_dict(config))
     params["classes"] = json.dumps(data.manifest.classes)
     uri, experiment = config.tracking.uri, config.experiment
@@ -302,7 +316,7 @@ def _train_splits(config: Config, session: Session, data: ExperimentData, root: 
         tracker.end()
         return TrainingResult(tracker.run_id, [fold], fold.test_metrics)
     parent = RunTracker.start(
-        uri, experiment, config.tracking.run_name, {**tags, "dpgs.kfold_parent": "true"}
+        uri, experiment, config.tracking.run_name, {**tags, TAG_KFOLD_PARENT: "true"}
     )
     folds = []
     try:
@@ -310,7 +324,7 @@ def _train_splits(config: Config, session: Session, data: ExperimentData, root: 
         for split in data.splits:
             out_dir = root / split.name
             child = RunTracker.start(
-                uri, experiment, split.name, {**tags, "dpgs.fold": split.name}, parent=parent
+                uri, experiment, split.name, {**tags, TAG_FOLD: split.name}, parent=parent
             )
             try:
                 child.log_params(params)

@@ -28,14 +28,14 @@ def heavy_tailed(n: int, generator: torch.Generator) -> torch.Tensor:
 def test_residual_invariant_is_exact_over_many_steps(dtype, clip_norm):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    comp = TopKCompressor(0.02, clip_norm=clip_norm, value_dtype=dtype, exact_max_numel=3000)
+    comp = TopKCompressor(clip_norm=clip_norm, value_dtype=dtype, exact_max_numel=3000)
     for step in range(30):
         n = 5000
         flat = heavy_tailed(n, gen) * 10.0 ** float(torch.randint(-6, 6, (1,)))
         if step % 7 == 3:
             flat[:3] = torch.tensor([1e5, -7e4, 1e-30])  # fp16 overflow and underflow
         old = comp.residual.clone() if comp.residual is not None else torch.zeros(n)
-        payload = comp.compress(flat)
+        payload = comp.compress(flat, 0.02)
         assert torch.equal(decompress(payload) + comp.residual, flat + old)
         assert comp.last_stats.payload_bytes == len(payload)
 
@@ -63,8 +63,8 @@ def test_ulp32_matches_nextafter():
 def test_exact_path_equals_torch_topk(n, keep):
     torch.manual_seed(n)
     flat = torch.randn(n)
-    comp = TopKCompressor(keep, value_dtype="fp32")
-    decoded = decode(comp.compress(flat))
+    comp = TopKCompressor(value_dtype="fp32")
+    decoded = decode(comp.compress(flat, keep))
     k = round(keep * n)
     assert comp.last_stats.method == "exact"
     expected = torch.topk(flat.abs(), k).indices.sort().values
@@ -97,8 +97,8 @@ def test_sampled_path_with_mostly_zero_input_sends_the_nonzeros():
 def test_large_vector_uses_sampling_and_keeps_invariant():
     torch.manual_seed(0)
     flat = torch.randn(300_000)
-    comp = TopKCompressor(0.01, exact_max_numel=100_000)
-    payload = comp.compress(flat)
+    comp = TopKCompressor(exact_max_numel=100_000)
+    payload = comp.compress(flat, 0.01)
     assert comp.last_stats.method == "sampled"
     assert 2400 <= comp.last_stats.count <= 3900
     assert torch.equal(decompress(payload) + comp.residual, flat)
@@ -106,29 +106,29 @@ def test_large_vector_uses_sampling_and_keeps_invariant():
 
 def test_clipping_bounds_the_sent_norm():
     torch.manual_seed(0)
-    comp = TopKCompressor(0.1, clip_norm=0.5, value_dtype="fp32")
-    out = decompress(comp.compress(torch.randn(2000) * 100))
+    comp = TopKCompressor(clip_norm=0.5, value_dtype="fp32")
+    out = decompress(comp.compress(torch.randn(2000) * 100, 0.1))
     assert comp.last_stats.clip_scale < 1
     assert out.norm() <= 0.5 * (1 + 1e-6)
 
 
 def test_non_finite_input_is_rejected_without_touching_state():
-    comp = TopKCompressor(0.1)
-    comp.compress(torch.randn(100))
+    comp = TopKCompressor()
+    comp.compress(torch.randn(100), 0.1)
     before = comp.residual.clone()
     bad = torch.randn(100)
     bad[7] = float("nan")
     with pytest.raises(ValueError, match="non-finite"):
-        comp.compress(bad)
+        comp.compress(bad, 0.1)
     assert torch.equal(comp.residual, before)
     with pytest.raises(ValueError, match="set up for 100"):
-        comp.compress(torch.randn(99))
+        comp.compress(torch.randn(99), 0.1)
 
 
 def test_momentum_correction_matches_dgc_reference():
     torch.manual_seed(0)
     m, n, keep = 0.9, 500, 0.05
-    comp = TopKCompressor(keep, value_dtype="fp32", momentum_correction=m, momentum_masking=True)
+    comp = TopKCompressor(value_dtype="fp32", momentum_correction=m, momentum_masking=True)
     u, v = torch.zeros(n), torch.zeros(n)
     for _ in range(20):
         g = torch.randn(n)
@@ -139,27 +139,27 @@ def test_momentum_correction_matches_dgc_reference():
         expected[idx] = v[idx]
         v[idx] = 0
         u[idx] = 0
-        assert torch.equal(decompress(comp.compress(g)), expected)
+        assert torch.equal(decompress(comp.compress(g, keep)), expected)
         assert torch.equal(comp.residual, v) and torch.equal(comp.momentum, u)
 
 
 def test_momentum_correction_at_full_keep_is_momentum_sgd_without_masking():
     torch.manual_seed(0)
-    comp = TopKCompressor(1.0, value_dtype="fp32", momentum_correction=0.5, momentum_masking=False)
+    comp = TopKCompressor(value_dtype="fp32", momentum_correction=0.5, momentum_masking=False)
     u = torch.zeros(10)
     for _ in range(5):
         g = torch.randn(10)
         u = 0.5 * u + g
-        assert torch.allclose(decompress(comp.compress(g)), u, atol=1e-6)
+        assert torch.allclose(decompress(comp.compress(g, 1.0)), u, atol=1e-6)
 
 
 def test_layout_exempts_small_tensors_and_sends_them_dense():
     model = torch.nn.Sequential(torch.nn.Linear(50, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 3))
     layout = ParamLayout.from_module(model)
-    comp = TopKCompressor(0.01, value_dtype="fp32", layout=layout, dense_min_numel=100)
+    comp = TopKCompressor(value_dtype="fp32", layout=layout, dense_min_numel=100)
     torch.manual_seed(0)
     flat = torch.randn(layout.numel)
-    decoded = decode(comp.compress(flat))
+    decoded = decode(comp.compress(flat, 0.01))
     dense = [s for s in layout if s.numel < 100]
     assert comp.last_stats.dense_count == sum(s.numel for s in dense)
     dense_positions = torch.cat([torch.arange(s.offset, s.offset + s.numel) for s in dense])
@@ -170,21 +170,35 @@ def test_layout_exempts_small_tensors_and_sends_them_dense():
     assert torch.equal(out + comp.residual, flat)
 
 
+def test_flush_sends_residual_plus_gradient_and_empties_the_residual():
+    """keep ratio 1 (a dense step of a compressed run): exactly what top-k has not sent yet, plus the new
+    gradient, as float32; afterwards nothing is kept."""
+    comp = TopKCompressor(value_dtype="fp16")
+    first = torch.randn(1000)
+    sent = decompress(comp.compress(first, 0.01))
+    second = torch.randn(1000)
+    flushed = comp.flush(second)
+    assert torch.equal(flushed, (first - sent) + second)
+    assert not comp.residual.any()
+    fresh = torch.randn(10)
+    assert torch.equal(TopKCompressor().flush(fresh), fresh)  # nothing kept yet: the gradient itself
+
+
 def test_state_dict_round_trip_continues_identically():
     torch.manual_seed(0)
-    a = TopKCompressor(0.05, momentum_correction=0.9, exact_max_numel=100)
-    a.compress(torch.randn(5000))
-    b = TopKCompressor(0.05, momentum_correction=0.9, exact_max_numel=100)
+    a = TopKCompressor(momentum_correction=0.9, exact_max_numel=100)
+    a.compress(torch.randn(5000), 0.05)
+    b = TopKCompressor(momentum_correction=0.9, exact_max_numel=100)
     b.load_state_dict(a.state_dict())
     g = torch.randn(5000)
-    assert a.compress(g) == b.compress(g)
+    assert a.compress(g, 0.05) == b.compress(g, 0.05)
 
 
 def test_keep_ratio_validation():
     with pytest.raises(ValueError, match="keep_ratio must be in"):
-        TopKCompressor(1.5)
+        TopKCompressor().compress(torch.randn(10), 1.5)
     with pytest.raises(ValueError, match="value_dtype must be one of"):
-        TopKCompressor(0.1, value_dtype="int8")
+        TopKCompressor(value_dtype="int8")
 
 
 def _logistic_problem(d=500, n=2000, lam=0.1):
@@ -208,20 +222,20 @@ def _logistic_problem(d=500, n=2000, lam=0.1):
 def _train(x, y, grad, steps, error_feedback):
     workers, d = 4, x.shape[1]
     shards = [(x[i::workers], y[i::workers]) for i in range(workers)]
-    comps = [TopKCompressor(0.01) for _ in range(workers)]
-    broadcaster = DeltaBroadcaster(0.01, dense_sync_every=None)
+    comps = [TopKCompressor() for _ in range(workers)]
+    broadcaster = DeltaBroadcaster(dense_sync_every=None)
     master = torch.zeros(d)
-    first, _ = broadcaster.step(master)
+    first, _ = broadcaster.step(master, 0.01)
     replicas = [torch.zeros(d) for _ in range(workers)]
     versions = [apply_payload(r, first, None) for r in replicas]
     for step in range(1, steps + 1):
         total = torch.zeros(d)
         for i, (xs, ys) in enumerate(shards):
-            total += decompress(comps[i].compress(grad(replicas[i].double(), xs, ys).float()))
+            total += decompress(comps[i].compress(grad(replicas[i].double(), xs, ys).float(), 0.01))
             if not error_feedback:
                 comps[i].reset()
         master -= 0.1 * min(1.0, 200 / step) * total / workers  # master: plain SGD, decaying step
-        payload, _ = broadcaster.step(master)
+        payload, _ = broadcaster.step(master, 0.01)
         versions = [apply_payload(r, payload, v) for r, v in zip(replicas, versions, strict=True)]
     return master.double()
 

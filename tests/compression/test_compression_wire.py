@@ -54,8 +54,8 @@ def test_forged_payload_matches_documented_format():
 @pytest.mark.parametrize("numel, keep", [(0, 0.5), (1, 1.0), (1, 0.0), (100, 0.0), (100, 1.0), (1000, 0.3)])
 def test_round_trip_edge_sizes(numel, keep):
     x = torch.randn(numel)
-    comp = TopKCompressor(keep, value_dtype="fp32")
-    payload = comp.compress(x)
+    comp = TopKCompressor(value_dtype="fp32")
+    payload = comp.compress(x, keep)
     out = decompress(payload)
     assert out.dtype == torch.float32 and out.shape == (numel,)
     assert torch.equal(out + comp.residual, x)
@@ -66,29 +66,29 @@ def test_round_trip_edge_sizes(numel, keep):
 
 def test_fp16_overflow_and_tiny_values_are_finite_and_conserved():
     x = torch.tensor([1e6, -3e5, 7e4, 1e-30, -1e-9, 0.5])
-    comp = TopKCompressor(1.0, value_dtype="fp16")
-    out = decompress(comp.compress(x))
+    comp = TopKCompressor(value_dtype="fp16")
+    out = decompress(comp.compress(x, 1.0))
     assert torch.isfinite(out).all()
     assert out[0] <= 65504 and out[1] >= -65504
     assert out[3] == 0 and out[4] == 0  # below the fp16 subnormal range: kept in the residual
     assert torch.equal(out + comp.residual, x)
     total = out.clone()
     for _ in range(20):  # the overflowed mass is delivered over later calls
-        total += decompress(comp.compress(torch.zeros(6)))
+        total += decompress(comp.compress(torch.zeros(6), 1.0))
     assert torch.allclose(total[:3], x[:3], rtol=1e-3)
 
 
 def test_bytes_reported_equal_len_payload():
-    comp = TopKCompressor(0.01)
+    comp = TopKCompressor()
     for _ in range(3):
-        payload = comp.compress(torch.randn(50_000))
+        payload = comp.compress(torch.randn(50_000), 0.01)
         assert comp.last_stats.payload_bytes == len(payload)
         assert comp.last_stats.dense_bytes == 4 * 50_000
         assert comp.last_stats.ratio == pytest.approx(200_000 / len(payload))
 
 
 def valid_payload() -> bytes:
-    return TopKCompressor(0.05, seed=1).compress(torch.randn(4000))
+    return TopKCompressor(seed=1).compress(torch.randn(4000), 0.05)
 
 
 def test_every_single_byte_flip_is_detected():
@@ -153,7 +153,7 @@ def test_count_mismatch_larger_body():
 
 
 def test_numel_and_version_expectations():
-    payload = TopKCompressor(0.1).compress(torch.randn(100), version=42)
+    payload = TopKCompressor().compress(torch.randn(100), 0.1, version=42)
     assert read_header(payload).version == 42
     with pytest.raises(PayloadError, match="numel mismatch: payload has 100, expected 99"):
         decode(payload, expected_numel=99)

@@ -13,7 +13,6 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from dpgs.workers.group import check_layout, replica_names, spatial_spec, tilemil_names
 
 from dpgs.config import load_config
 from dpgs.config.schema import ModelConfig
@@ -21,6 +20,7 @@ from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.spatial.partition import Grid, Partition
 from dpgs.spatial.rank import RankState
+from dpgs.workers.sample_parallel import check_layout, replica_names, spatial_spec, tilemil_names
 from tests.spatial_helpers import run_ranks
 
 TILES_PER_SLIDE = [6, 4, 8, 5]  # bag lengths (tiles of 32 px)
@@ -174,7 +174,7 @@ def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_clu
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from dpgs.train.engine import LocalEngine
+    from dpgs.train.local_engine import LocalEngine
     from tests.dpgs_helpers import dpgs_engine
 
     config = _dpgs_config(tile_bags, tmp_path / "run")
@@ -203,17 +203,17 @@ def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_clu
 
     start = _start_model(spec, config.seed)
     with dpgs_engine(config, spec, start, data.dataset, data.splits[0].train) as engine:
-        pid = ray.get(engine.pool.workers[0].ping.remote())  # asked now: during a step the actor is busy
+        # asked now: during a step the actor is busy
+        pid = ray.get(engine.group.workers.handles[0].ping.remote())
 
-        def kill_coordinator(pool):
+        def kill_coordinator(group):
             if len(captured) == 1 and not killed:
                 killed.append(pid)
                 time.sleep(1.0)  # inside the step's first bag
                 os.kill(pid, signal.SIGKILL)
 
         engine.hooks.after_chunk = capture
-        engine.pool.hooks.after_submit = kill_coordinator
-        prefix = engine.pool.group_prefix
+        engine.group.hooks.after_submit = kill_coordinator
         stats = engine.run_epoch(batches, 1, [])
     _assert_close(captured[0], reference[0], 1e-4, "B=1")
     # Second step: BatchNorm biases start at zero and their gradients are sums of nearly cancelling terms;
@@ -227,5 +227,5 @@ def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_clu
     assert stats["worker_restarts"] == 1.0
     assert stats["sample_parallel_halo_bytes"] > 0 and stats["sample_parallel_restarts"] == 0.0
     live = [v["name"] for v in placement_group_table().values()
-            if v["name"].startswith(prefix) and v["state"] != "REMOVED"]
+            if v["name"].startswith("dpgs-group-") and v["state"] != "REMOVED"]
     assert not live, f"placement groups left behind: {live}"

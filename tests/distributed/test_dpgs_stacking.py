@@ -11,10 +11,11 @@ import pytest
 import ray
 import torch
 
-from dpgs.distributed.pool import WorkerFailure
+from dpgs.distributed.frames import HEADER as FRAME_HEADER
+from dpgs.distributed.rank_group import WorkerFailure
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
-from dpgs.train.engine import LocalEngine
+from dpgs.train.local_engine import LocalEngine
 from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
 
 pytestmark = pytest.mark.ray
@@ -49,17 +50,17 @@ def local_params(config, data, batches, epochs=1):
 def dpgs_run(config, data, batches, epochs=1, after_submit=None, after_chunk=None):
     """(master's parameters, epoch metrics, workers' ReplicaStates, master's ReplicaState).
 
-    ``after_submit(pool, pids)``: called once a chunk is submitted, with the workers' process ids (asked
+    ``after_submit(group, pids)``: called once a chunk is submitted, with the workers' process ids (asked
     beforehand: during a chunk the actors are busy)."""
     spec, model = start(config, data)
     with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
         if after_submit is not None:
-            pids = ray.get([w.ping.remote() for w in engine.pool.workers])
-            engine.pool.hooks.after_submit = lambda pool: after_submit(pool, pids)
+            pids = ray.get(engine.group.workers.call("ping"))
+            engine.group.hooks.after_submit = lambda group: after_submit(group, pids)
         engine.hooks.after_chunk = after_chunk
         stats = [engine.run_epoch(batches, epoch, []) for epoch in range(1, epochs + 1)]
-        workers = ray.get([w.replica_state.remote() for w in engine.pool.workers])
-        master = ray.get(engine.pool.master.replica_state.remote())
+        workers = ray.get(engine.group.workers.call("replica_state"))
+        master = ray.get(engine.group.master.replica_state.remote())
         return {k: v.clone() for k, v in engine.state_dict().items()}, stats, workers, master
 
 
@@ -77,8 +78,8 @@ def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers,
 
     SGD, because Adam's first step is lr * sign(g): entries whose gradient is ~0 flip with float32
     summation order, which says nothing about the stacking. Dense mode sends raw float32: exactly 4 bytes
-    per parameter each way. With ``train.grad_clip`` the master clips the mean gradient as the
-    single-process engine does.
+    per parameter each way, plus the frame's header and two part sizes down. With ``train.grad_clip`` every
+    rank clips the mean gradient as the single-process engine does.
     """
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", f"dpgs.workers={workers}",
                          f"dpgs.transport={transport}", f"train.grad_clip={clip or 'null'}", *EXACT, *DENSE)
@@ -91,8 +92,10 @@ def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers,
     assert any((reference[k] - before[k]).abs().max() > 1e-4 for k in reference), "the step changed nothing"
     numel = master.params.numel()
     epoch = stats[0]
-    assert epoch["comm_bytes_up"] == epoch["comm_bytes_down"] == 4 * numel * workers
-    assert epoch["compression_ratio"] == 1.0
+    assert epoch["comm_bytes_up"] == 4 * numel * workers
+    assert epoch["comm_bytes_down"] == (4 * numel + FRAME_HEADER.size + 2 * 8) * workers
+    sent = epoch["comm_bytes_up"] + epoch["comm_bytes_down"]
+    assert epoch["compression_ratio"] == 8 * numel * workers / sent
     assert all(torch.equal(r.params, master.params) and r.version == 1 for r in replicas)
 
 
@@ -133,7 +136,7 @@ def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, t
     clean, *_ = dpgs_run(config, data, batches)
     killed = []
 
-    def kill_worker_once(pool, pids):
+    def kill_worker_once(group, pids):
         if not killed:
             killed.append(pids[0])
             os.kill(pids[0], signal.SIGKILL)
@@ -155,12 +158,12 @@ def test_restarted_worker_starts_with_an_empty_residual(ray_cluster, bags, tmp_p
     spec, model = start(config, data)
     with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
         engine.run_epoch([[0, 1, 2, 3], [4, 5, 6, 7]], 1, [])
-        before = engine.pool.encoder_states()
+        before = [s["uplink"] for s in engine.group.sync_states()]
         assert all(s["residual"].abs().sum() > 0 for s in before)
-        os.kill(ray.get(engine.pool.workers[1].ping.remote()), signal.SIGKILL)
-        engine.pool.hooks.after_submit = None
+        os.kill(ray.get(engine.group.workers.handles[1].ping.remote()), signal.SIGKILL)
+        engine.group.hooks.after_submit = None
         stats = engine.run_epoch([[8], [9, 10]], 2, [])  # worker 1 has no bag in the first step
-        after = engine.pool.encoder_states()
+        after = [s["uplink"] for s in engine.group.sync_states()]
     assert stats["worker_restarts"] == 1.0
     assert after[1]["step"] == 1  # the restarted worker encoded once (its bag of the second step)
     assert after[0]["step"] == before[0]["step"] + 2
@@ -172,7 +175,7 @@ def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tm
     (tmp_path / "run").mkdir()
     data = experiment_data(config)
 
-    def kill(pool, pids):
+    def kill(group, pids):
         os.kill(pids[1], signal.SIGKILL)
 
     with pytest.raises(WorkerFailure, match="worker 1 failed 1 times.*checkpoint written"):
@@ -207,7 +210,7 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
     run_training(full)
 
     interrupted = make_config(*bags, tmp_path / "cut", *common)
-    import dpgs.distributed.engine as engine_module
+    import dpgs.distributed.dpgs_engine as engine_module
 
     original = engine_module.DpgsEngine.__init__
 
@@ -238,23 +241,21 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
 def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, tmp_path, monkeypatch):
     """Two folds in one command: the same worker processes serve both (started once), and the second fold
     ends exactly as a command that trains only that split (state reset between folds)."""
-    from dpgs.distributed import pool as pool_module
+    from dpgs.distributed.rank_group import RankGroup
     from dpgs.train import trainer
 
     overrides = ["train.mode=dpgs", "dpgs.workers=2", "data.folds=2", "data.val_fraction=0", "train.epochs=1",
                  "train.batch_size=4", "dpgs.compression.keep_ratio=0.1"]
     pids = []
-    original = pool_module.WorkerPool.run
+    original = RankGroup.run
 
     def run_and_record(self, plan):
-        pids.append(tuple(ray.get([w.ping.remote() for w in self.workers])))
+        pids.append(tuple(ray.get(self.workers.call("ping"))))
         return original(self, plan)
 
-    pool_module.WorkerPool.run = run_and_record
-    try:
-        result = run_training(make_config(*bags, tmp_path / "kfold", *overrides))
-    finally:
-        pool_module.WorkerPool.run = original
+    monkeypatch.setattr(RankGroup, "run", run_and_record)
+    result = run_training(make_config(*bags, tmp_path / "kfold", *overrides))
+    monkeypatch.setattr(RankGroup, "run", original)
     assert len(result.folds) == 2 and len(set(pids)) == 1, f"workers were restarted between folds: {pids}"
 
     load = trainer.load_experiment_data

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from dpgs.biglayers import resnet18
 from dpgs.models import build_head
-from dpgs.spatial.group import SampleParallelGroup
 from dpgs.spatial.rank import SpatialModelSpec
+from dpgs.spatial.sample_group import SampleParallelGroup
 from dpgs.spatial.sources import NpySource
 
 pytestmark = pytest.mark.ray

@@ -22,9 +22,9 @@ from dpgs.cli import main
 from dpgs.config import config_to_dict, save_config
 from dpgs.errors import RunFailure
 from dpgs.outputs import LOCK_NAME, locked_output_dir
-from dpgs.train.engine import LocalSession
-from dpgs.train.resume import ResumeError
-from dpgs.train.trainer import run_training
+from dpgs.train.local_engine import LocalSession
+from dpgs.train.resume_check import ResumeError
+from dpgs.train.trainer import train_splits
 from tests.dpgs_helpers import make_config, write_bags
 
 LENGTHS = [3, 40, 7, 1, 90, 12, 5, 30, 2, 60, 8, 15, 4, 22, 9, 11, 6, 50, 13, 2]
@@ -96,7 +96,7 @@ def test_resume_refuses_run_changing_keys_naming_each_and_writes_nothing(bags, t
     new = resumed("model.name=meanmil", "train.batch_size=8", "train.lr=0.001", "seed=1",
                   "dpgs.compression.keep_ratio=0.5", bags=bags, out=out)
     with pytest.raises(ResumeError) as err:
-        run_training(new, NoEngineSession())
+        train_splits(new, NoEngineSession())
     text = str(err.value)
     assert "changes the run in 5 key(s)" in text
     for line in ('model.name: "abmil" -> "meanmil"', "train.batch_size: 4 -> 8", "train.lr: 0.01 -> 0.001",
@@ -116,7 +116,7 @@ def test_resume_allows_epochs_tracking_timeouts_and_keeps_config_yaml(bags, tmp_
     new = resumed("train.epochs=5", "tracking.run_name=more", "dpgs.call_timeout_s=30",
                   "dpgs.max_worker_restarts=1", "data.prefetch=1", "experiment=other", bags=bags, out=out)
     with pytest.raises(EngineStarted):  # every check passed: the run went on to build its engine
-        run_training(new, NoEngineSession())
+        train_splits(new, NoEngineSession())
     assert (out / "config.yaml").read_bytes() == config_before
     (run,) = runs_in(new.tracking.uri)
     assert run.info.status == "FAILED" and run.info.run_name == "more"
@@ -128,7 +128,7 @@ def test_resume_with_cosine_schedule_refuses_more_epochs(bags, tmp_path):
     write_checkpoint(original, out)
     new = resumed("train.scheduler=cosine", "train.epochs=6", bags=bags, out=out)
     with pytest.raises(ResumeError, match=r"train.epochs: 3 -> 6\n.*only without train.scheduler=cosine"):
-        run_training(new, NoEngineSession())
+        train_splits(new, NoEngineSession())
 
 
 def test_resume_refuses_another_output_dir_and_other_classes(bags, tmp_path):
@@ -139,10 +139,10 @@ def test_resume_refuses_another_output_dir_and_other_classes(bags, tmp_path):
         update={"train": original.train.model_copy(update={"output_dir": tmp_path / "other"})}
     )
     with pytest.raises(ResumeError, match=f"set train.output_dir={out}"):
-        run_training(elsewhere, NoEngineSession())
+        train_splits(elsewhere, NoEngineSession())
     (out / "classes.json").write_text('["benign", "tumour"]')
     with pytest.raises(ResumeError, match=r"classes \['0', '1'\] differ from the run's \['benign', 'tum"):
-        run_training(resumed(bags=bags, out=out), NoEngineSession())
+        train_splits(resumed(bags=bags, out=out), NoEngineSession())
     assert not (tmp_path / "other").exists() and not (tmp_path / "mlflow.db").exists()
 
 

@@ -67,7 +67,7 @@ def test_warmup_multiplies_the_decayed_rate():
 def test_the_local_engine_steps_with_the_scheduled_rate(monkeypatch):
     from dpgs.data.dataset import Bag
     from dpgs.models import build_head
-    from dpgs.train import engine as engine_module
+    from dpgs.train import local_engine as engine_module
 
     cfg = train_cfg("train.mode=packed", "train.batch_size=2", "train.lr=1e-3", "train.lr_scaling=linear",
                     "train.warmup_epochs=0.5", "train.scheduler=cosine", "train.epochs=2")

@@ -13,7 +13,7 @@ from dpgs.data import DataValidationError
 from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
-from dpgs.train.engine import LocalEngine
+from dpgs.train.local_engine import LocalEngine
 from tests.dpgs_helpers import dpgs_engine
 from tests.tile_helpers import tile_config, write_tiled_slides
 

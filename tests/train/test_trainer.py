@@ -86,7 +86,7 @@ def test_baseline_modes_train(bags, tmp_path, mode):
 def test_gradient_accumulation_equals_larger_batch(bags, tmp_path):
     """Two accumulated batches of 2 bags == one packed batch of 4 (same bags, SGD)."""
     from dpgs.modeling import ModelSpec
-    from dpgs.train.engine import LocalEngine
+    from dpgs.train.local_engine import LocalEngine
     from tests.dpgs_helpers import experiment_data
 
     def params(*overrides, batches):

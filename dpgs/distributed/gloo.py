@@ -1,109 +1,29 @@
-"""How the master (rank 0) and the workers (ranks 1..P) exchange a step's data.
+"""The gloo transport of a DPGS group: point-to-point sends of a ``torch.distributed`` gloo group formed
+inside the Ray actors (TCP between the processes; neither Ray nor the driver is on the path).
 
-A step is one round trip through the master: every worker sends one message up (:meth:`Channel.send_up`,
-received by the master's :meth:`Channel.gather_up`), the master sends one message down to every worker
-(:meth:`Channel.send_down` / :meth:`Channel.recv_down`). Messages are 1-D ``uint8`` tensors (a float
-tensor travels as ``t.view(torch.uint8)``, without a copy). Two transports implement the protocol:
-
-* :class:`GlooChannel`: point-to-point sends of a ``torch.distributed`` gloo group formed inside the Ray
-  actors (TCP between the processes; neither Ray nor the driver is on the path);
-* ``dpgs.distributed.mailbox.MailboxChannel``: object references through a small Ray actor, where the
-  processes cannot connect to each other.
-
-Faults: a peer that dies surfaces at once (its connection closes), an operation that waits longer than
-the timeout fails, and both raise :class:`ChannelBroken`. The master is in every exchange, so when it
-cannot complete one it tells every live worker (:meth:`Channel.abort`); everyone then reports where they
-stopped and the driver re-forms the group. A gloo send completes only once the receiver has posted its
-receive, so the master always takes what live workers send (it never leaves one blocked in a send).
+A gloo send completes only once the receiver has posted its receive, so the master always takes what
+live workers send (it never leaves one blocked in a send); see ``dpgs.distributed.transport`` for the
+contract and its faults.
 """
 
 from __future__ import annotations
 
 import datetime
-import socket
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dpgs.distributed.messages import MASTER_RANK
+from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK, ChannelBroken
 
-ABORT = -1  # size sent down instead of a message: give up this exchange
-JOIN_TIMEOUT_S = 60.0
 _SIZE_TAG, _BODY_TAG = 0, 1
-
-
-class ChannelBroken(RuntimeError):
-    """An exchange could not complete (a peer died or hung, or the master aborted the step)."""
-
-
-class Channel(Protocol):
-    rank: int
-    world: int
-
-    def send_up(self, body: torch.Tensor) -> None:
-        """Worker: send ``body`` (1-D uint8) to the master."""
-
-    def gather_up(self) -> list[torch.Tensor]:
-        """Master: every worker's message, in worker order."""
-
-    def send_down(self, body: torch.Tensor) -> None:
-        """Master: send ``body`` to every worker."""
-
-    def recv_down(self) -> torch.Tensor:
-        """Worker: the master's message (ChannelBroken when the master aborted the exchange)."""
-
-    def abort(self, drain: bool) -> None:
-        """Master: make every live worker's next :meth:`recv_down` raise ChannelBroken. ``drain``: the
-        workers are about to send their next message up (they received the last one down); take it first."""
-
-    def close(self) -> None:
-        """Leave the group."""
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """How the ranks of one generation of the group find each other.
-
-    ``transport`` is ``gloo`` (``address`` = the master's store) or ``ray`` (``mailbox`` = actor handle).
-    Joining waits at most ``JOIN_TIMEOUT_S`` for the other ranks; every later operation ``timeout_s``.
-    """
-
-    transport: str
-    generation: int
-    world: int
-    timeout_s: float
-    address: tuple[str, int] | None = None
-    mailbox: Any = None
-
-    def open(self, rank: int) -> Channel:
-        if self.transport == "gloo":
-            return GlooChannel(rank, self.world, self.address, self.timeout_s)
-        from dpgs.distributed.mailbox import MailboxChannel
-
-        return MailboxChannel(rank, self.world, self.mailbox, self.generation, self.timeout_s)
-
-
-def free_address() -> tuple[str, int]:
-    """This node's IP address and a port that is free now (for the group's rendezvous store)."""
-    import ray
-
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return ip, s.getsockname()[1]
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous) as a flat uint8 view."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
+ABORT_SIZE = -1  # sent down instead of a message size: give up this exchange
 
 
 class GlooChannel:
     """A gloo process group; the master's process hosts the rendezvous store.
 
-    Each message is an int64 size (``ABORT`` for an abort) followed by the body. Every wait is bounded by
+    Each message is an int64 size (``ABORT_SIZE`` for an abort) followed by the body. Every wait is bounded by
     ``timeout_s`` (gloo's deadline).
     """
 
@@ -180,7 +100,7 @@ class GlooChannel:
     def recv_down(self) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
         self._wait(self._group.recv([size], MASTER_RANK, _SIZE_TAG), MASTER_RANK, "receiving the size")
-        if int(size) == ABORT:
+        if int(size) == ABORT_SIZE:
             raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
         body = torch.empty(int(size), dtype=torch.uint8)
         if body.numel():
@@ -193,7 +113,7 @@ class GlooChannel:
                 self.gather_up()
             except ChannelBroken:
                 pass  # the failed ones are now marked dead
-        size = torch.tensor([ABORT], dtype=torch.int64)
+        size = torch.tensor([ABORT_SIZE], dtype=torch.int64)
         self._wait_all(
             [(r, self._group.send([size], r, _SIZE_TAG)) for r in range(1, self.world) if r not in self.dead],
             "sending an abort",

@@ -76,7 +76,8 @@ def load_feature_experiment(
     check_values: bool = True,
 ) -> ExperimentData:
     """Manifest, dataset and splits of ``data_cfg`` with ``data.kind=features`` (tile bags:
-    :func:`dpgs.wsi.experiment.load_tile_experiment`; either: :func:`dpgs.experiment.load_experiment_data`).
+    :func:`dpgs.wsi.tile_experiment.load_tile_experiment`; either:
+    :func:`dpgs.experiment.load_experiment_data`).
 
     ``classes`` forces the class order (evaluation of a saved model); ``with_splits=False`` skips split
     construction (``splits`` is then empty). Raises :class:`DataValidationError` with every problem.

@@ -1,7 +1,7 @@
 """``SampleParallelGroup``: G Ray actors that together run one huge input (one logical DPGS worker).
 
-The group reserves one placement-group bundle per rank (``dpgs.distributed.runtime.reserve``), starts a
-``SpatialRank`` actor in each and creates a ``torch.distributed`` process group inside the actors
+The group starts a ``SpatialRank`` actor in its own placement-group bundle per rank
+(``dpgs.distributed.actors.PlacedActors``) and creates a ``torch.distributed`` process group inside the actors
 (gloo on CPU; NCCL on GPUs, which needs a whole GPU per rank: a request that could put two ranks on one
 GPU is refused, and so is a placement that did). The rendezvous is rank 0's node address and a fresh
 TCP port per build.
@@ -21,7 +21,6 @@ every rank is alive (a genuine error in the model or the input) is raised, not r
 from __future__ import annotations
 
 import os
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -30,9 +29,9 @@ from datetime import timedelta
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dpgs.distributed.runtime import WorkerResources, release, reserve
+from dpgs.distributed.actors import Bundle, PlacedActors, get_all
+from dpgs.distributed.rendezvous import free_address
 from dpgs.spatial.partition import Grid, Partition, Rect, make_grid
 from dpgs.spatial.rank import RankState, SpatialModelSpec, flat_tensors
 
@@ -41,7 +40,6 @@ class GroupFailure(RuntimeError):
     """The group could not complete a step within its restart budget."""
 
 
-@ray.remote(max_restarts=0, max_task_retries=0)
 class SpatialRank:
     """A rank of a sample-parallel group: a thin actor around ``dpgs.spatial.rank.RankState``."""
 
@@ -53,10 +51,7 @@ class SpatialRank:
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free TCP port on it (asked of rank 0)."""
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return host, s.getsockname()[1]
+        return free_address()
 
     def setup(self, host: str, port: int, timeout_s: float) -> dict:
         """Join the process group and build the replica; returns where this rank runs."""
@@ -123,7 +118,7 @@ class SampleParallelGroup:
             tasks are submitted.
         name: prefix of the placement group's name (each build appends a fresh suffix); an owner that may
             be restarted (``GroupWorker``) passes a stable prefix and calls
-            ``dpgs.distributed.runtime.release_named(prefix)`` first to free what a dead incarnation left.
+            ``dpgs.distributed.actors.release_named(prefix)`` first to free what a dead incarnation left.
     """
 
     def __init__(self, spec: SpatialModelSpec, ranks: int, grid: tuple[int, int] | None = None, *,
@@ -141,44 +136,34 @@ class SampleParallelGroup:
         self.spec = spec
         self.grid = make_grid(ranks, grid)
         self.device = device
-        self.resources = WorkerResources(cpus=cpus_per_rank, gpus=gpus, threads=threads, device=device)
+        self.bundle = Bundle(cpus_per_rank, gpus)
+        self.threads = threads
         self.call_timeout_s = call_timeout_s
         self.max_restarts = max_restarts
         self.hooks = hooks or {}
         self.name = name
         self.restarts = 0
-        self.actors: list = []
-        self.placement = None
+        self.ranks: PlacedActors | None = None
         self.where: list[dict] = []
         self._build()
         self._params, self._buffers = self._get([self.actors[0].get_state.remote()])[0]
         self._push_state()
 
     # lifecycle -----------------------------------------------------------------------------------
+    @property
+    def actors(self) -> list:
+        return [] if self.ranks is None else self.ranks.handles
+
     def _get(self, refs: list, timeout_s: float | None = None) -> list:
         """``ray.get`` of ``refs`` with one deadline; the first failure is raised as soon as it is known."""
-        limit = timeout_s or self.call_timeout_s
-        deadline = time.monotonic() + limit
-        pending = list(refs)
-        while pending:
-            left = deadline - time.monotonic()
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
-            if not ready:
-                raise GetTimeoutError(f"sample-parallel group: no answer within {limit}s")
-            ray.get(ready[0])
-        return ray.get(refs)
+        return get_all(refs, timeout_s or self.call_timeout_s, "sample-parallel group")
 
     def _build(self) -> None:
         label = f"{self.name}{uuid.uuid4().hex[:8]}" if self.name else ""
-        self.placement = reserve(self.grid.size, self.resources, self.call_timeout_s, name=label)
-        self.actors = [
-            SpatialRank.options(
-                num_cpus=self.resources.cpus, num_gpus=self.resources.gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement, placement_group_bundle_index=r),
-            ).remote(r, self.grid, self.spec, self.device, self.resources.threads)
-            for r in range(self.grid.size)
-        ]
+        self.ranks = PlacedActors(
+            SpatialRank, self.grid.size, lambda r: (r, self.grid, self.spec, self.device, self.threads),
+            bundle=self.bundle, placed=True, max_restarts=0, timeout_s=self.call_timeout_s, name=label,
+        )
         try:
             host, port = self._get([self.actors[0].rendezvous.remote()])[0]
             self.where = self._get([a.setup.remote(host, port, self.call_timeout_s) for a in self.actors])
@@ -196,12 +181,9 @@ class SampleParallelGroup:
                     seen[(w["node"], gpu)] = w["rank"]
 
     def _teardown(self) -> None:
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
-        if self.placement is not None:
-            release(self.placement)
-            self.placement = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     def _push_state(self) -> None:
         params, buffers = ray.put(self._params), ray.put(self._buffers)

@@ -1,10 +1,12 @@
-"""The trainer's engine for ``train.mode=dpgs``: one fold's epochs as chunks of steps run by a pool.
+"""The trainer's engine for ``train.mode=dpgs``: one fold's epochs as chunks of steps run by the group.
 
-Per epoch the driver plans every optimizer step (:class:`~dpgs.distributed.messages.StepPlan`): the bags
-of each of its ``train.accumulation_steps`` micro-batches spread over the workers by length (LPT), the
-step's learning rate (``dpgs.train.optim.learning_rate``) and keep ratio. Steps run in chunks that end at
-checkpoints (``dpgs.checkpoint_every``) and at the epoch's end; the driver blocks only there. Per-step
-reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`).
+At the fold's start the driver builds the fold's step synchronisation (``dpgs.distributed.sync``) and sends
+it with the initial weights to every rank. Per epoch it plans every optimizer step
+(:class:`~dpgs.distributed.messages.StepPlan`): the bags of each of its ``train.accumulation_steps``
+micro-batches spread over the workers by length (LPT), the step's learning rate
+(``dpgs.train.optim.learning_rate``) and keep ratio (``dpgs.distributed.schedule``). Steps run in chunks
+that end at checkpoints (``dpgs.checkpoint_every``) and at the epoch's end; the driver blocks only there.
+Per-step reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from typing import Any
 
 from dpgs.config import config_to_dict
 from dpgs.distributed.assignment import assign_lpt, imbalance
-from dpgs.distributed.codec import keep_ratio_at
-from dpgs.distributed.messages import ChunkPlan, FoldStart, StepPlan
-from dpgs.distributed.pool import ChunkReports, MasterFailure, WorkerFailure, WorkerPool
-from dpgs.distributed.resume import CHECKPOINT_NAME
-from dpgs.distributed.sync import step_sync_class
+from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.messages import ChunkPlan, StepPlan
+from dpgs.distributed.rank_group import ChunkReports, MasterFailure, RankGroup, WorkerFailure
+from dpgs.distributed.schedule import KeepSchedule
+from dpgs.distributed.sharded_eval import evaluate_on_workers
+from dpgs.distributed.sync import build_sync
+from dpgs.records import CHECKPOINT_FILE, Checkpoint
 from dpgs.train.engine import FoldSetup
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
@@ -87,10 +91,10 @@ def epoch_metrics(reports: ChunkReports, workers: int) -> dict[str, float]:
 
 
 class DpgsEngine:
-    """One fold on ``pool`` (see the module docstring)."""
+    """One fold on ``group`` (see the module docstring)."""
 
-    def __init__(self, pool: WorkerPool, setup: FoldSetup):
-        self.pool = pool
+    def __init__(self, group: RankGroup, setup: FoldSetup):
+        self.group = group
         self.config = setup.config
         self.cfg = setup.config.dpgs
         self.model = setup.model  # driver copy, for evaluation of a shard whose worker failed
@@ -102,18 +106,21 @@ class DpgsEngine:
         self.hooks = EngineHooks()
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
-        self.restarts_before = pool.restarts
-        self.replicas_exact = step_sync_class(self.cfg.compression).exact_replicas
-        pool.start_fold(FoldStart(setup.output_dir.name, setup.model.state_dict(), setup.class_weights))
+        self.restarts_before = group.restarts
+        self.keep = KeepSchedule(self.cfg.compression)
+        sync = build_sync(setup.config, setup.model)
+        self.replicas_exact = sync.exact_replicas
+        fold = FoldStart(setup.output_dir.name, setup.model.state_dict(), setup.class_weights, sync)
+        group.start_fold(fold)
 
     @property
     def restarts(self) -> int:
-        return self.pool.restarts - self.restarts_before
+        return self.group.restarts - self.restarts_before
 
     # ------------------------------------------------------------------ planning
     def _assign(self, batch: list[int]) -> list[tuple[int, ...]]:
         """Bags of ``batch`` per worker (LPT on bag lengths)."""
-        plan = assign_lpt([self.lengths[i] for i in batch], len(self.pool.workers))
+        plan = assign_lpt([self.lengths[i] for i in batch], len(self.group.workers))
         return [tuple(batch[p] for p in positions) for positions in plan]
 
     def plan_epoch(self, batches: list[list[int]], epoch: int) -> list[StepPlan]:
@@ -125,7 +132,7 @@ class DpgsEngine:
         plans = []
         for s in range(steps):
             micro = [self._assign(batch) for batch in batches[s * per_step : (s + 1) * per_step]]
-            bags = tuple(tuple(m[w] for m in micro) for w in range(len(self.pool.workers)))
+            bags = tuple(tuple(m[w] for m in micro) for w in range(len(self.group.workers)))
             plans.append(
                 StepPlan(
                     index=first + s,
@@ -133,7 +140,7 @@ class DpgsEngine:
                     step_in_epoch=s,
                     bags=bags,
                     lr=learning_rate(train, epoch, s, steps),
-                    keep_ratio=keep_ratio_at(self.cfg.compression, epoch - 1 + s / steps),
+                    keep_ratio=self.keep.ratio(epoch),
                 )
             )
         return plans
@@ -161,12 +168,12 @@ class DpgsEngine:
                 plans[chunk[-1].step_in_epoch + 1] if chunk[-1].step_in_epoch + 1 < len(plans) else None
             )
             try:
-                done = self.pool.run(ChunkPlan(tuple(chunk), following))
+                done = self.group.run(ChunkPlan(tuple(chunk), following))
             except WorkerFailure as err:
-                path = self.checkpoint(epoch, self.pool.version() - plans[0].index, history)
+                path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
                 raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
             except MasterFailure as err:
-                path = self.out_dir / CHECKPOINT_NAME
+                path = self.out_dir / CHECKPOINT_FILE
                 last = (
                     f"resume from {path} with --resume" if path.is_file() else "no checkpoint was written yet"
                 )
@@ -180,7 +187,7 @@ class DpgsEngine:
             if self.cfg.checkpoint_every and step_in_epoch < len(plans):
                 self.checkpoint(epoch, step_in_epoch, history)
         self.skip_steps = 0
-        metrics = epoch_metrics(reports, len(self.pool.workers))
+        metrics = epoch_metrics(reports, len(self.group.workers))
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["worker_restarts"] = float(self.restarts)
         return metrics
@@ -196,14 +203,14 @@ class DpgsEngine:
             "seed": self.config.seed,
             "config": config_to_dict(self.config),  # what a resume compares its own config with
         }
-        return Path(self.pool.save_checkpoint(str(self.out_dir / CHECKPOINT_NAME), driver))
+        return Path(self.group.save_checkpoint(str(self.out_dir / CHECKPOINT_FILE), driver))
 
-    def restore(self, checkpoint: dict) -> dict:
+    def restore(self, checkpoint: Checkpoint) -> dict:
         """Continue from ``checkpoint``; returns its driver part (epoch, step in epoch, history)."""
-        driver = checkpoint["driver"]
-        self.global_step = self.pool.restore(checkpoint)
+        driver = checkpoint.driver
+        self.global_step = self.group.restore(checkpoint)
         self.skip_steps = int(driver["step_in_epoch"])
-        self.restarts_before = self.pool.restarts - int(driver.get("worker_restarts", 0))
+        self.restarts_before = self.group.restarts - int(driver.get("worker_restarts", 0))
         return driver
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
@@ -211,19 +218,20 @@ class DpgsEngine:
         ``state`` (the current weights), workers whose replicas are exactly the master's model (dense and
         ``downlink=gradients``) score with their own; otherwise the master's weights are sent to them."""
         if state is None and not self.replicas_exact:
-            state = self.pool.model_state()
+            state = self.group.model_state()
 
         def on_driver(shard: list[int]) -> Predictions:
-            self.model.load_state_dict(self.pool.model_state() if state is None else state)
+            self.model.load_state_dict(self.group.model_state() if state is None else state)
             return score_bags(self.model, self.eval_dataset, shard, protocol, self.device)
 
-        return self.pool.evaluate(state, list(indices), protocol, self.eval_lengths, on_driver)
+        return evaluate_on_workers(self.group.workers, state, list(indices), protocol, self.eval_lengths,
+                                   on_driver)
 
     def state_dict(self) -> dict:
-        return self.pool.model_state()
+        return self.group.model_state()
 
     def final_metrics(self) -> dict:
         return {"worker_restarts": float(self.restarts)}
 
     def close(self) -> None:
-        """Nothing to release per fold: the session's pool serves every fold."""
+        """Nothing to release per fold: the session's group serves every fold."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dpgs.data.errors import DataValidationError
-from dpgs.data.experiment import ExperimentData, build_splits
+from dpgs.data.feature_experiment import ExperimentData, build_splits
 from dpgs.data.manifest import load_manifest
 from dpgs.wsi.augment import AugmentConfig, BagAugment
 from dpgs.wsi.tiles import TileBagDataset, locate_slide, tile_items

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dpgs.master import Master
 
 from dpgs.config import load_config
-from dpgs.distributed.channel import ChannelBroken
-from dpgs.distributed.codec import GradientEncoder
-from dpgs.distributed.messages import ChunkPlan, FoldStart, StepPlan
-from dpgs.distributed.sync import contribution
+from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.messages import ChunkPlan, StepPlan
+from dpgs.distributed.sync import build_sync
+from dpgs.distributed.transport import ChannelBroken
+from dpgs.master import Master
 from dpgs.modeling import ModelSpec
 
 
@@ -49,15 +49,13 @@ def master_and_bodies(keep: float):
     torch.manual_seed(0)
     model = spec.build()
     master = Master(spec, config)
-    master.start_fold(FoldStart("f", model.state_dict(), None))
+    master.start_fold(FoldStart("f", model.state_dict(), None, build_sync(config, model)))
     n = sum(p.numel() for p in model.parameters())
+    steps = tuple(StepPlan(i, 1, i, (((2 * i,),), ((2 * i + 1,),)), 0.01, keep) for i in range(2))
     bodies = []
     for w in range(2):
         grad = torch.randn(n, generator=torch.Generator().manual_seed(w))
-        if keep < 1:
-            grad = GradientEncoder(config.dpgs.compression, model).encode(grad, keep)[0]
-        bodies.append(contribution(0, 1, grad, None).body)
-    steps = tuple(StepPlan(i, 1, i, (((2 * i,),), ((2 * i + 1,),)), 0.01, keep) for i in range(2))
+        bodies.append(build_sync(config, model).contribute(steps[0], 1, grad, None).body)
     return master, bodies, ChunkPlan(steps)
 
 

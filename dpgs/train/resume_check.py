@@ -1,9 +1,9 @@
 """Checking that ``--resume`` continues the same run, before anything is written or started.
 
-A DPGS checkpoint (``train.output_dir/checkpoint.pt``) is ``{"master": {...}, "driver": {"epoch",
-"step_in_epoch", "history", "config", ...}}``, ``driver["config"]`` being the config of the run that wrote
-it. :func:`read_resume_checkpoint` loads it (``weights_only=True``); a missing, truncated or foreign file is
-a :class:`ResumeError` naming it. :func:`check_resume` then compares the two configs key by key:
+A DPGS checkpoint (``train.output_dir/checkpoint.pt``, format in ``dpgs.records``) carries in its driver
+part the config of the run that wrote it. ``dpgs.records.read_checkpoint`` loads it (a missing, truncated,
+foreign or other-format file is a ``CheckpointError`` naming it); :func:`check_resume` then compares the
+two configs key by key:
 
 * keys of :data:`RESUMABLE_KEYS` may differ (how long to train, where to log, timeouts, resources,
   read-ahead: nothing that changes the optimizer steps already taken or still to come);
@@ -15,7 +15,8 @@ a :class:`ResumeError` naming it. :func:`check_resume` then compares the two con
 
 The run continues in the checkpoint's own directory (``train.output_dir`` must be that directory), and
 only single-split runs are resumable (``data.folds=1``). :func:`check_resume_classes` compares the classes
-of the manifest with the run's ``classes.json``. Every error is a :class:`ResumeError` (exit code 2).
+of the manifest with the run's ``classes.json``. Every error is a :class:`ResumeError` (a
+``CheckpointError``, exit code 2).
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dpgs.config import Config, config_to_dict, flatten
-from dpgs.errors import RunFailure
+from dpgs.records import CLASSES_FILE, Checkpoint, CheckpointError, read_checkpoint
 
 RESUMABLE_KEYS = (
     "experiment",
@@ -55,42 +54,13 @@ RESUMABLE_KEYS = (
     "dpgs.gpus_per_worker",
     "dpgs.emulate_bandwidth_mbps",
 )
-DRIVER_KEYS = ("epoch", "step_in_epoch", "history", "config")
-
-
-class ResumeError(RunFailure):
+class ResumeError(CheckpointError):
     """``--resume`` cannot continue this checkpoint with this config; nothing was written."""
-
-    exit_code = 2
 
 
 def is_resumable_key(key: str) -> bool:
     """Whether dotted config ``key`` may differ between a checkpoint and the run that resumes it."""
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE_KEYS)
-
-
-def read_resume_checkpoint(path: str | Path) -> dict:
-    """The checkpoint at ``path``; ResumeError naming it when it is missing, corrupt or not a DPGS one."""
-    path = Path(path)
-    if not path.is_file():
-        raise ResumeError(f"--resume: checkpoint {path} not found")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, pickle of other objects, ...: torch raises many types
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ResumeError(
-            f"--resume: checkpoint {path} is corrupt or not a dpgs checkpoint ({type(err).__name__}: "
-            f"{first_line}); resume from "
-            "an intact checkpoint or start a new run"
-        ) from None
-    parts = checkpoint if isinstance(checkpoint, dict) else {}
-    master, driver = parts.get("master"), parts.get("driver")
-    if not (isinstance(master, dict) and isinstance(driver, dict) and all(k in driver for k in DRIVER_KEYS)):
-        raise ResumeError(
-            f"--resume: {path} is not a DPGS checkpoint written by this version of dpgs (expected "
-            f"'master' and 'driver' with {', '.join(DRIVER_KEYS)})"
-        )
-    return checkpoint
 
 
 _ABSENT = object()
@@ -121,7 +91,7 @@ def config_differences(saved: dict, config: Config) -> list[tuple[str, Any, Any]
     return found
 
 
-def check_resume(config: Config) -> dict | None:
+def check_resume(config: Config) -> Checkpoint | None:
     """The checkpoint that ``config.dpgs.resume`` names, once checked against ``config`` (None when not
     resuming). Raises ResumeError before anything is written."""
     if config.dpgs.resume is None:
@@ -132,14 +102,14 @@ def check_resume(config: Config) -> dict | None:
     if config.data.folds > 1:
         raise ResumeError(f"--resume continues single-split runs; data.folds={config.data.folds} runs cannot "
                           "be resumed")
-    checkpoint = read_resume_checkpoint(path)
+    checkpoint = read_checkpoint(path)
     out_dir = Path(config.train.output_dir)
     if out_dir.resolve() != path.parent.resolve():
         raise ResumeError(
             f"--resume continues a run in its own directory: the checkpoint is in {path.parent}, but "
             f"train.output_dir={out_dir}; set train.output_dir={path.parent}"
         )
-    differences = config_differences(checkpoint["driver"]["config"], config)
+    differences = config_differences(checkpoint.driver["config"], config)
     if differences:
         lines = [f"  {key}: {_show(before)} -> {_show(after)}" for key, before, after in differences]
         epochs_note = ("; train.epochs only without train.scheduler=cosine"
@@ -155,7 +125,7 @@ def check_resume(config: Config) -> dict | None:
 
 def check_resume_classes(out_dir: Path, classes: list[str]) -> None:
     """ResumeError when the manifest's classes are not those of the run in ``out_dir`` (``classes.json``)."""
-    path = Path(out_dir) / "classes.json"
+    path = Path(out_dir) / CLASSES_FILE
     if not path.is_file():
         return
     try:

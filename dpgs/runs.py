@@ -1,10 +1,8 @@
 """``--run RUN_DIR_OR_RUN_ID``: a trained dpgs run located by its directory or its MLflow run id.
 
 A run directory is a ``train.output_dir`` (per fold ``output_dir/fold_k``) holding ``config.yaml``,
-``classes.json`` and ``best.pt``. An MLflow run id is resolved like ``dpgs train --resume`` does
-(:func:`dpgs.distributed.resume.find_checkpoint`): the run's param ``train.output_dir``, plus the
-fold name (tag ``dpgs.fold``) for the nested run of a fold, is the directory; a relative
-``train.output_dir`` is taken relative to the current directory, as training wrote it.
+``classes.json`` and ``best.pt`` (``dpgs.records``). An MLflow run id is resolved like ``dpgs train
+--resume`` does, with :func:`dpgs.records.run_dir_of`.
 
 The other way round, :func:`find_mlflow_run` finds the MLflow run of a run directory: the most recent
 run of the config's experiment whose output directory (as above) is that directory.
@@ -26,11 +24,22 @@ from pathlib import Path
 import torch
 
 from dpgs.config import Config, ConfigError, load_config
+from dpgs.config.schema import TrackingConfig
+from dpgs.records import (
+    BEST_WEIGHTS,
+    CLASSES_FILE,
+    CONFIG_FILE,
+    PARAM_OUTPUT_DIR,
+    RUN_DIR_FILES,
+    TAG_FOLD,
+    TAG_KFOLD_PARENT,
+    TAG_PARENT,
+    recorded_run_id,
+    run_dir_of,
+    sqlite_store_missing,
+)
 
-RUN_FILES = ("config.yaml", "classes.json", "best.pt")
-KFOLD_TAG = "dpgs.kfold_parent"
-PARENT_TAG = "mlflow.parentRunId"
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+DEFAULT_TRACKING_URI = TrackingConfig().uri
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -49,7 +58,7 @@ class RunRef:
 
     @property
     def checkpoint(self) -> Path:
-        return self.run_dir / "best.pt"
+        return self.run_dir / BEST_WEIGHTS
 
     def load_model(self, in_dim: int | None, checkpoint: Path | None = None) -> torch.nn.Module:
         """The run's model for ``len(classes())`` classes (``in_dim``: the feature dim of feature-bag runs,
@@ -72,7 +81,7 @@ class RunRef:
 
     def classes(self) -> list[str]:
         """The class names of ``classes.json``, in the model's output order."""
-        path = self.run_dir / "classes.json"
+        path = self.run_dir / CLASSES_FILE
         try:
             classes = json.loads(path.read_text())
         except (OSError, ValueError) as err:
@@ -82,29 +91,11 @@ class RunRef:
         return [str(c) for c in classes]
 
 
-def sqlite_store_missing(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///FILE`` URI when it does not exist (opening it would create it)."""
-    prefix = "sqlite:///"
-    if not uri.startswith(prefix):
-        return None
-    path = Path(uri[len(prefix) :].split("?", 1)[0])
-    return None if path.is_file() else path
-
-
-def run_dir_of(params: dict[str, str], tags: dict[str, str]) -> Path | None:
-    """The output directory an MLflow run of ``dpgs train`` wrote to (None: not a dpgs run)."""
-    out = params.get("train.output_dir")
-    if not out:
-        return None
-    fold = tags.get("dpgs.fold")
-    return Path(out) / fold if fold else Path(out)
-
-
 def check_run_dir(run_dir: Path, what: str) -> None:
     """Raise :class:`RunError` unless ``run_dir`` holds config.yaml, classes.json and best.pt."""
     if not run_dir.is_dir():
         raise RunError(f"{what}: run directory {run_dir} not found")
-    missing = [name for name in RUN_FILES if not (run_dir / name).is_file()]
+    missing = [name for name in RUN_DIR_FILES if not (run_dir / name).is_file()]
     if missing:
         raise RunError(
             f"{what}: {run_dir} is not a dpgs run directory (missing {', '.join(missing)}; "
@@ -115,7 +106,7 @@ def check_run_dir(run_dir: Path, what: str) -> None:
 def load_run_config(run_dir: Path) -> Config:
     """The run's ``config.yaml``."""
     try:
-        return load_config(run_dir / "config.yaml")
+        return load_config(run_dir / CONFIG_FILE)
     except ConfigError as err:
         raise RunError(str(err)) from None
 
@@ -144,8 +135,8 @@ def _get_run(run_id: str, uri: str):
 def dir_from_run_id(run_id: str, uri: str) -> Path:
     """The run directory of MLflow run ``run_id`` (see module docstring)."""
     run = _get_run(run_id, uri)
-    if run.data.tags.get(KFOLD_TAG) == "true":
-        out = run.data.params.get("train.output_dir")
+    if run.data.tags.get(TAG_KFOLD_PARENT) == "true":
+        out = run.data.params.get(PARAM_OUTPUT_DIR)
         raise RunError(f"--run {run_id}: a k-fold parent run; pass one of its fold runs or {out}/fold_k")
     run_dir = run_dir_of(run.data.params, run.data.tags)
     if run_dir is None:
@@ -161,12 +152,13 @@ def find_mlflow_run(run_dir: Path, experiment: str, uri: str) -> str | None:
         return None
     from mlflow.exceptions import MlflowException
 
-    try:
-        recorded = json.loads((run_dir / "run.json").read_text())["run_id"]
-        _client(uri).get_run(recorded)
-        return recorded
-    except (OSError, ValueError, KeyError, TypeError, MlflowException):
-        pass  # no record, or a run of another store: search the experiment
+    recorded = recorded_run_id(run_dir)
+    if recorded is not None:
+        try:
+            _client(uri).get_run(recorded)
+            return recorded
+        except MlflowException:
+            pass  # a run of another store: search the experiment
     client = _client(uri)
     try:
         found = client.get_experiment_by_name(experiment)
@@ -224,7 +216,7 @@ def _split_order(name: str) -> tuple[int, str]:
 
 def fold_dirs(root: Path) -> list[Path]:
     """The sub-directories of ``root`` that are run directories, in split order (``fold_0``, ``fold_1``)."""
-    found = [d for d in root.iterdir() if d.is_dir() and all((d / n).is_file() for n in RUN_FILES)]
+    found = [d for d in root.iterdir() if d.is_dir() and all((d / n).is_file() for n in RUN_DIR_FILES)]
     return sorted(found, key=lambda d: _split_order(d.name))
 
 
@@ -235,7 +227,7 @@ def _parent_of(folds: list[RunRef]) -> str | None:
     for ref in folds:
         if ref.run_id is not None:
             try:
-                return _client(ref.tracking_uri).get_run(ref.run_id).data.tags.get(PARENT_TAG)
+                return _client(ref.tracking_uri).get_run(ref.run_id).data.tags.get(TAG_PARENT)
             except MlflowException:
                 return None
     return None
@@ -246,7 +238,7 @@ def _group_of_parent_run(run, uri: str) -> RunGroup:
     client = _client(uri)
     children, token = [], None
     while True:
-        page = client.search_runs([run.info.experiment_id], f"tags.{PARENT_TAG} = '{run.info.run_id}'",
+        page = client.search_runs([run.info.experiment_id], f"tags.{TAG_PARENT} = '{run.info.run_id}'",
                                   max_results=1000, page_token=token)
         children.extend(page)
         token = page.token
@@ -255,14 +247,14 @@ def _group_of_parent_run(run, uri: str) -> RunGroup:
     if not children:
         raise RunError(f"--run {run.info.run_id}: a k-fold parent run without nested fold runs in {uri}")
     folds = []
-    for child in sorted(children, key=lambda c: _split_order(c.data.tags.get("dpgs.fold", ""))):
+    for child in sorted(children, key=lambda c: _split_order(c.data.tags.get(TAG_FOLD, ""))):
         run_dir = run_dir_of(child.data.params, child.data.tags)
         what = f"--run {run.info.run_id} (fold run {child.info.run_id})"
         if run_dir is None:
             raise RunError(f"{what}: the MLflow run has no param train.output_dir (not a dpgs run)")
         check_run_dir(run_dir, what)
         folds.append(RunRef(run_dir, load_run_config(run_dir), child.info.run_id, uri))
-    root = Path(run.data.params.get("train.output_dir", folds[0].run_dir.parent))
+    root = Path(run.data.params.get(PARAM_OUTPUT_DIR, folds[0].run_dir.parent))
     return RunGroup(root, tuple(folds), True, run.info.run_id)
 
 
@@ -270,7 +262,7 @@ def resolve_run_group(target: str, tracking_uri: str | None = None) -> RunGroup:
     """Locate ``target``: a run directory or MLflow run id (:func:`resolve_run`), or a parent of several
     splits (see the module docstring); RunError naming the path or run id."""
     path = Path(target)
-    if path.is_dir() and not (path / "config.yaml").is_file():
+    if path.is_dir() and not (path / CONFIG_FILE).is_file():
         found = fold_dirs(path)
         if not found:
             check_run_dir(path, f"--run {target}")  # raises, naming the missing files
@@ -280,7 +272,7 @@ def resolve_run_group(target: str, tracking_uri: str | None = None) -> RunGroup:
         return RunGroup(path, (resolve_run(target, tracking_uri),), False, None)
     uri = tracking_uri or DEFAULT_TRACKING_URI
     run = _get_run(target, uri)
-    if run.data.tags.get(KFOLD_TAG) == "true":
+    if run.data.tags.get(TAG_KFOLD_PARENT) == "true":
         return _group_of_parent_run(run, uri)
     ref = resolve_run(target, uri)
     return RunGroup(ref.run_dir, (ref,), False, None)

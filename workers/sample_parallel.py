@@ -1,7 +1,7 @@
 """The sample-parallel group worker: one logical DPGS worker whose bags are computed by G rank actors.
 
 With ``dpgs.sample_parallel = G > 1`` (``data.kind=tiles``) each of the P DPGS workers owns a
-:class:`~dpgs.spatial.group.SampleParallelGroup` of G ranks. The worker keeps what every worker keeps
+:class:`~dpgs.spatial.sample_group.SampleParallelGroup` of G ranks. The worker keeps what every worker keeps
 (``dpgs.workers.base``: the ``TileMIL`` replica on the CPU, its version, the uplink encoder, the reader);
 its hook pushes the replica's weights and floating-point buffers to the ranks when they changed, and for
 each bag b (tiles ``X_b`` [N_b, 3, s, s], label ``y_b``) runs ``group.compute(X_b, [y_b])``: every tile
@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 
+import ray
 import torch
-from dpgs.workers.base import BagGradients, Worker
 
 from dpgs.config import Config
+from dpgs.distributed.actors import release_named
 from dpgs.distributed.messages import StepPlan
-from dpgs.distributed.runtime import release_named
-from dpgs.spatial.group import GroupFailure, SampleParallelGroup
+from dpgs.distributed.roles import WorkerLaunch
+from dpgs.distributed.runtime import worker_resources
 from dpgs.spatial.rank import SpatialModelSpec
+from dpgs.spatial.sample_group import GroupFailure, SampleParallelGroup
+from dpgs.workers.base import BagGradients, Worker
 
 TRAFFIC = ("halo_bytes", "gather_bytes", "stats_bytes", "grad_bytes")
 
@@ -118,12 +122,44 @@ class GroupWorker(Worker):
     worker reserved under it is released first). The worker process itself holds the replica on the CPU.
     """
 
+    @classmethod
+    def launch(cls, config: Config) -> WorkerLaunch:
+        """P coordinators without a CPU or bundle of their own; their G ranks each are sized as P * G workers
+        would be (``worker_resources``; ``dpgs.cpus_per_worker`` and ``dpgs.gpus_per_worker`` are per rank).
+        On CUDA every rank needs a whole GPU (NCCL)."""
+        cfg = config.dpgs
+        p, g = cfg.workers, cfg.sample_parallel
+        res = worker_resources(cfg.model_copy(update={"workers": p * g}), config.train.device)
+        if 0 < res.gpus < 1:
+            source = (
+                f"dpgs.gpus_per_worker={cfg.gpus_per_worker:g}"
+                if cfg.gpus_per_worker
+                else f"{ray.cluster_resources().get('GPU', 0):g} GPUs for {p * g} ranks"
+            )
+            raise ValueError(
+                f"dpgs.sample_parallel={g}: NCCL needs one whole GPU per rank, never two ranks on one GPU "
+                f"({source}); set dpgs.gpus_per_worker=1 with dpgs.workers * dpgs.sample_parallel <= GPUs, "
+                f"or train.device=cpu"
+            )
+        prefix = f"dpgs-group-{uuid.uuid4().hex[:12]}-"
+        grid = None if cfg.sample_grid is None else tuple(cfg.sample_grid)
+        kwargs = tuple(
+            {"ranks": g, "grid": grid, "rank_device": res.device, "cpus_per_rank": res.cpus,
+             "gpus_per_rank": res.gpus, "rank_threads": res.threads, "name": f"{prefix}{w}-"}
+            for w in range(p)
+        )
+        return WorkerLaunch(cpus=0.0, gpus=0.0, placed=False, threads=1, device="cpu", kwargs=kwargs,
+                            reservation_prefix=prefix)
+
     def __init__(
         self,
         worker: int,
         model_spec,
         dataset,
         config: Config,
+        device: str = "cpu",
+        threads: int = 1,
+        *,
         ranks: int,
         grid: tuple[int, int] | None = None,
         rank_device: str = "cpu",
@@ -132,7 +168,7 @@ class GroupWorker(Worker):
         rank_threads: int = 1,
         name: str = "",
     ):
-        super().__init__(worker, model_spec, dataset, config, device="cpu", threads=1)
+        super().__init__(worker, model_spec, dataset, config, device=device, threads=threads)
         self.spec = spatial_spec(model_spec, config.seed)
         check_layout(self.model, self.spec)
         self.rank_device = rank_device
@@ -192,8 +228,13 @@ class GroupWorker(Worker):
     def step_buffers(self) -> torch.Tensor | None:
         return self.group.get_buffers()
 
-    def where(self) -> dict:
-        return {**super().where(), "ranks": list(self.group.where), "leftovers_released": self.leftovers}
+    def where(self) -> list[str]:
+        rows, cols = self.group.grid.rows, self.group.grid.cols
+        ranks = self.group.where
+        lines = [f"{super().where()[0]} (coordinator of a sample-parallel group of {len(ranks)} ranks, "
+                 f"{rows}x{cols} grid; {self.leftovers} stale reservation(s) released)"]
+        return lines + [f"  rank {r['rank']}: node={r['node'][:12]} pid={r['pid']} device={r['device']}"
+                        for r in ranks]
 
     def close(self) -> None:
         """Release the ranks and their placement group (call before killing the actor)."""

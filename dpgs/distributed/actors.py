@@ -1,0 +1,145 @@
+"""Actor lifecycle: start a set of actors of one class with their resources and placement, wait on them
+with one deadline, wait for Ray to restart one, and release everything.
+
+Used by the DPGS driver for its workers and by a sample-parallel group for its ranks. Placed actors get
+one placement-group bundle each (spread over the nodes), so a set starts only when all of it fits; when it
+cannot, :class:`ClusterError` names the request and what the cluster has, instead of hanging. A placement
+group outlives the actor that created it (its lifetime is the job's), so an actor that Ray restarts
+frees what its dead incarnation reserved with :func:`release_named`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import ray
+from ray._raylet import PlacementGroupID
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dpgs.distributed.runtime import ClusterError
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """What one actor reserves: CPUs and GPUs (fractions allowed)."""
+
+    cpus: float
+    gpus: float = 0.0
+
+    def resources(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus > 0 else {})}
+
+
+def reserve(
+    count: int, bundle: Bundle, timeout_s: float = PLACEMENT_TIMEOUT_S, name: str = ""
+) -> PlacementGroup:
+    """A placement group of ``count`` bundles spread over the nodes (``name``: for :func:`release_named`)."""
+    group = placement_group([bundle.resources() for _ in range(count)], strategy="SPREAD", name=name)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise ClusterError(
+            f"cannot place {count} actors with {bundle.resources()} each within {timeout_s:.0f}s; the "
+            f"cluster has {ray.cluster_resources()}. Lower dpgs.workers, dpgs.cpus_per_worker or "
+            "dpgs.gpus_per_worker."
+        )
+    return group
+
+
+def release_named(prefix: str) -> int:
+    """Remove every live placement group whose name starts with ``prefix``; returns how many."""
+    if not prefix:
+        raise ValueError("release_named needs a non-empty prefix")
+    removed = 0
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+            removed += 1
+    return removed
+
+
+def get_all(refs: list, timeout_s: float, what: str) -> list:
+    """``ray.get(refs)`` with one deadline for all of them; the first failure is raised as soon as it is
+    known (``GetTimeoutError`` naming ``what`` when the deadline passes)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+        if not ready:
+            raise GetTimeoutError(f"{what}: no answer within {timeout_s:g}s")
+        ray.get(ready[0])
+    return ray.get(list(refs))
+
+
+class PlacedActors:
+    """``count`` actors of ``cls``; ``args_of(i)`` / ``kwargs_of(i)``: the constructor arguments of actor i.
+
+    Each reserves ``bundle``; ``placed``: in its own bundle of a spread placement group (named ``name``),
+    else wherever Ray puts it (an actor that places its own sub-actors reserves no CPU). ``max_restarts``:
+    how often Ray restarts a dead actor (its tasks are never retried automatically); ``timeout_s``: the
+    deadline of every wait.
+    """
+
+    def __init__(self, cls: type, count: int, args_of: Callable[[int], tuple], *, bundle: Bundle,
+                 placed: bool, max_restarts: int, timeout_s: float, name: str = "",
+                 kwargs_of: Callable[[int], dict] | None = None):
+        self.timeout_s = timeout_s
+        self.placement = reserve(count, bundle, timeout_s=min(timeout_s, PLACEMENT_TIMEOUT_S), name=name) \
+            if placed else None
+        remote = ray.remote(cls)
+        self.handles = []
+        for i in range(count):
+            options = {"num_cpus": bundle.cpus, "num_gpus": bundle.gpus, "max_restarts": max_restarts,
+                       "max_task_retries": 0}
+            if self.placement is not None:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement, placement_group_bundle_index=i
+                )
+            kwargs = kwargs_of(i) if kwargs_of is not None else {}
+            self.handles.append(remote.options(**options).remote(*args_of(i), **kwargs))
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def call(self, method: str, *args) -> list:
+        """``handle.method.remote(*args)`` on every actor: the object refs, in actor order."""
+        return [getattr(h, method).remote(*args) for h in self.handles]
+
+    def get(self, refs: list, timeout_s: float | None = None) -> list:
+        return get_all(refs, self.timeout_s if timeout_s is None else timeout_s, "actors")
+
+    def await_restart(self, index: int) -> None:
+        """Wait until Ray has restarted actor ``index`` (it answers ``ping``); ClusterError past the
+        timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                ray.get(self.handles[index].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except (RayActorError, GetTimeoutError) as err:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"actor {index} did not come back within {self.timeout_s:g}s") from err
+                time.sleep(0.2)
+
+    def kill(self, index: int, restart: bool) -> None:
+        """Kill actor ``index`` (``restart``: let Ray start it again)."""
+        ray.kill(self.handles[index], no_restart=not restart)
+
+    def close(self) -> None:
+        """Kill every actor and release the placement group."""
+        for handle in self.handles:
+            ray.kill(handle, no_restart=True)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+            self.placement = None

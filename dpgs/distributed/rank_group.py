@@ -1,0 +1,255 @@
+"""The group protocol of a DPGS run: the master actor and P worker actors as one group.
+
+The driver forms the group (a gloo group where one can be formed, else a Ray mailbox), gives every rank
+the fold's start, hands the ranks a chunk of steps (:meth:`RankGroup.run`) and blocks only when the chunk
+ends (epoch end, checkpoint): the steps themselves run between the actors.
+
+Faults. A worker that dies, or does not answer within ``dpgs.call_timeout_s`` after the others stopped, is
+restarted by Ray (``dpgs.max_worker_restarts``), the group is formed again, the restarted worker gets the
+fold's start, every worker is resynchronised with exactly what the master says in-sync workers hold, and
+the chunk continues at the master's version. Workers that had computed their part of the interrupted step
+send that same part again, the restarted worker computes only its own bags: every bag of the step counts
+exactly once. More than ``dpgs.max_worker_restarts`` restarts of one worker raise :class:`WorkerFailure`;
+a master that dies raises :class:`MasterFailure` (the run resumes from its last checkpoint). The restarted
+worker's error-feedback residual is lost (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from dpgs.config.schema import DpgsConfig
+from dpgs.distributed.actors import PlacedActors, get_all
+from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.mailbox import Mailbox
+from dpgs.distributed.messages import ChunkPlan, ChunkResult, MasterStep, WorkerStep
+from dpgs.distributed.rendezvous import Rendezvous
+from dpgs.distributed.runtime import ClusterError
+from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK
+from dpgs.errors import RunFailure
+from dpgs.records import Checkpoint
+
+
+class WorkerFailure(RunFailure):
+    """Workers kept failing past ``dpgs.max_worker_restarts``."""
+
+
+class MasterFailure(RunFailure):
+    """The master actor died or stopped answering; the run can resume from its last checkpoint."""
+
+
+@dataclass
+class ChunkReports:
+    """What the ranks did in a chunk (every attempt after failures included)."""
+
+    master: list[MasterStep] = field(default_factory=list)
+    workers: list[WorkerStep] = field(default_factory=list)
+
+
+@dataclass
+class GroupHooks:
+    """Fault-injection point for tests: ``after_submit(group)`` runs once a chunk is submitted."""
+
+    after_submit: Any = None
+
+
+class RankGroup:
+    """The master (rank 0) and the workers (ranks 1..P), formed into one group (module docstring).
+
+    ``master``: the master actor (on the driver's node); ``workers``: the worker actors; ``on_node``: a
+    scheduling strategy for the driver's node (where the mailbox goes when one is needed).
+    """
+
+    def __init__(self, cfg: DpgsConfig, master, workers: PlacedActors, on_node):
+        self.cfg = cfg
+        self.timeout = cfg.call_timeout_s
+        self.master = master
+        self.workers = workers
+        self.on_node = on_node
+        self.hooks = GroupHooks()
+        self.restarts = 0
+        self.restarts_per_worker = [0] * len(workers)
+        self.generation = 0
+        self.transport: str | None = None
+        self.mailbox = None
+        self.fold = None  # object ref of the fold's start (sent again to restarted workers)
+        self.form()
+
+    @property
+    def ranks(self) -> list:
+        return [self.master, *self.workers.handles]
+
+    def _get(self, refs, timeout: float | None = None):
+        one = not isinstance(refs, list)
+        got = get_all([refs] if one else refs, self.timeout if timeout is None else timeout, "the DPGS group")
+        return got[0] if one else got
+
+    # ---------------------------------------------------------------- rendezvous
+    def _join(self, rendezvous: Rendezvous) -> None:
+        self._get([r.join.remote(rendezvous) for r in self.ranks], timeout=JOIN_TIMEOUT_S + 30)
+
+    def form(self) -> None:
+        """A new generation of the group: gloo where it can be formed, else Ray object refs."""
+        self.generation += 1
+        world = len(self.ranks)
+        if self.transport in (None, "gloo") and self.cfg.transport != "ray":
+            address = self._get(self.master.address.remote())
+            try:
+                self._join(Rendezvous("gloo", self.generation, world, self.timeout, address=address))
+                self.transport = "gloo"
+                return
+            except (RayTaskError, GetTimeoutError) as err:
+                if self.cfg.transport == "gloo" or self.transport == "gloo":
+                    raise RunFailure(
+                        f"cannot form the gloo group of the master and {world - 1} workers: {err}"
+                    ) from None
+                print(
+                    f"[dpgs] no gloo group ({type(err).__name__}); exchanging through Ray object refs",
+                    flush=True,
+                )
+                self.generation += 1
+        if self.mailbox is None:
+            self.mailbox = Mailbox.options(scheduling_strategy=self.on_node).remote()
+        self._join(Rendezvous("ray", self.generation, world, self.timeout, mailbox=self.mailbox))
+        self.transport = "ray"
+
+    # ---------------------------------------------------------------- folds and state
+    def start_fold(self, fold: FoldStart) -> None:
+        """Every rank takes the fold's initial weights, class weights and step synchronisation."""
+        self.fold = ray.put(fold)
+        self._get([r.start_fold.remote(self.fold) for r in self.ranks])
+
+    def resync(self) -> int:
+        """Every worker holds what the master says in-sync workers hold; returns the master's version."""
+        state = self.master.replica_state.remote()
+        self._get(self.workers.call("resync", state))
+        return self.version()
+
+    def version(self) -> int:
+        """The master's version (optimizer steps taken in this fold)."""
+        return self._get(self.master.version.remote())
+
+    def model_state(self) -> dict:
+        return self._get(self.master.model_state.remote())
+
+    def sync_states(self) -> list:
+        """Each worker's step-synchronisation state (None for a worker that does not answer)."""
+        states = []
+        for ref in self.workers.call("sync_state"):  # asked of every worker at once
+            try:
+                states.append(self._get(ref))
+            except (RayActorError, GetTimeoutError):
+                states.append(None)
+        return states
+
+    def save_checkpoint(self, path: str, driver: dict) -> str:
+        """Master state, the workers' synchronisation states and ``driver``, atomically to ``path``."""
+        return self._get(self.master.save_checkpoint.remote(path, driver, self.sync_states()))
+
+    def restore(self, checkpoint: Checkpoint) -> int:
+        """Load a checkpoint's master state and the workers' states; returns the version."""
+        self._get(self.master.load_state_dict.remote(checkpoint.master))
+        states = checkpoint.workers
+        if len(states) == len(self.workers) and all(s is not None for s in states):
+            handles = self.workers.handles
+            self._get([w.load_sync_state.remote(s) for w, s in zip(handles, states, strict=True)])
+        return self.resync()
+
+    # ---------------------------------------------------------------- running steps
+    def run(self, plan: ChunkPlan) -> ChunkReports:
+        """Run ``plan`` on the group, recovering from worker failures (module docstring)."""
+        reports = ChunkReports()
+        attempts = 0
+        while plan.steps:
+            results, dead, errors = self._run_once(plan)
+            for rank, result in results.items():
+                (reports.master if rank == MASTER_RANK else reports.workers).extend(result.steps)
+            if errors:
+                rank, err = next(iter(errors.items()))
+                who = "master" if rank == MASTER_RANK else f"worker {rank - 1}"
+                raise RunFailure(f"the {who} failed: {err.cause if err.cause is not None else err}") from None
+            stopped = [r for r in results.values() if r.interrupted_at is not None]
+            if not dead and not stopped:
+                return reports
+            attempts += 1
+            if not dead and attempts > self.cfg.max_worker_restarts + 1:
+                reasons = "; ".join(sorted({r.reason for r in stopped}))
+                raise RunFailure(
+                    f"step {min(r.interrupted_at for r in stopped)} could not complete after "
+                    f"{attempts} attempts: {reasons}"
+                )
+            plan = plan.from_index(self._recover(dead))
+        return reports
+
+    def _run_once(self, plan: ChunkPlan) -> tuple[dict[int, ChunkResult], set[int], dict]:
+        """Submit ``plan`` to every rank; collect (results by rank, dead ranks, ranks that raised)."""
+        plan_ref = ray.put(plan)
+        pending = {r.run_chunk.remote(plan_ref): rank for rank, r in enumerate(self.ranks)}
+        if self.hooks.after_submit is not None:
+            self.hooks.after_submit(self)
+        results, dead, errors = {}, set(), {}
+        deadline = None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready:  # the others stopped call_timeout_s ago: these hang
+                for rank in pending.values():
+                    ray.kill(self.ranks[rank], no_restart=False)
+                    dead.add(rank)
+                break
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayActorError:
+                    dead.add(rank)
+                except RayTaskError as err:
+                    errors[rank] = err
+            trouble = dead or errors or any(r.interrupted_at is not None for r in results.values())
+            if trouble and deadline is None:
+                deadline = time.monotonic() + self.timeout
+                if self.transport == "ray":
+                    self.mailbox.abort.remote(self.generation)
+        return results, dead, errors
+
+    def _recover(self, dead: set[int]) -> int:
+        """Restart what died, form the group again, resynchronise; returns the version to continue at."""
+        if MASTER_RANK in dead:
+            raise MasterFailure(
+                f"the master actor died or stopped answering within dpgs.call_timeout_s={self.timeout:g}s"
+            )
+        for rank in sorted(dead):
+            self._await_restart(rank - 1)
+        self.form()
+        restarted = [self.workers.handles[rank - 1] for rank in sorted(dead)]
+        self._get([w.start_fold.remote(self.fold) for w in restarted])
+        return self.resync()
+
+    def _await_restart(self, worker: int) -> None:
+        """Wait until Ray has restarted ``worker``; WorkerFailure past the restart limit."""
+        self.restarts += 1
+        self.restarts_per_worker[worker] += 1
+        if self.restarts_per_worker[worker] > self.cfg.max_worker_restarts:
+            raise WorkerFailure(
+                f"worker {worker} failed {self.restarts_per_worker[worker]} times "
+                f"(dpgs.max_worker_restarts={self.cfg.max_worker_restarts})"
+            )
+        try:
+            self.workers.await_restart(worker)
+        except ClusterError as err:
+            raise WorkerFailure(f"worker {worker} did not come back within {self.timeout:g}s") from err
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        """Release the workers' own resources (their ranks), kill every actor, release the placements."""
+        refs = self.workers.call("close")
+        ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout, 60.0))
+        self.workers.close()
+        for actor in (self.master, self.mailbox):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)

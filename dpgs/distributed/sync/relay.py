@@ -1,0 +1,137 @@
+"""``downlink=gradients`` (the default): every rank takes the master's optimizer step itself.
+
+Workers send their gradient sums (raw float32 at keep ratio 1, top-k payloads below). The master sends
+every worker one frame (``dpgs.distributed.frames``) holding either the P payloads themselves
+(``KIND_GRADIENTS``, when they are smaller than the dense sum) or the dense sum of the workers' gradients
+(``KIND_SUM``), with the clip factor and the merged buffers. Every rank then forms the same sum in worker
+order, divides by the step's bag count B and takes the same optimizer step
+(``dpgs.train.optim.optimizer_step``; the same thread count on every rank keeps it bit for bit), so the
+workers hold exactly the master's weights and optimizer state after every step, compressed or not.
+
+Without gradient clipping the payloads are relayed before the master decodes them (the workers decode
+meanwhile); with clipping the master first forms the mean gradient, whose norm sets the clip factor.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dpgs.compression import ParamLayout
+from dpgs.config.schema import CompressionConfig, TrainConfig
+from dpgs.distributed.codec import Uplink
+from dpgs.distributed.frames import (
+    KIND_GRADIENTS,
+    KIND_SUM,
+    as_part,
+    buffers_part,
+    decode_frame,
+    encode_frame,
+)
+from dpgs.distributed.messages import MasterStep, StepPlan
+from dpgs.distributed.replica import Replica
+from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up
+from dpgs.distributed.transport import Channel, ChannelBroken
+from dpgs.train.optim import clip_coefficient
+
+
+def mean_and_clip(
+    total: torch.Tensor, n_bags: int, grad_clip: float | None
+) -> tuple[torch.Tensor, float, float]:
+    """``(total / n_bags, its L2 norm, the clip factor)``; ``total`` is left as it is."""
+    grad = total / n_bags
+    norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+    return grad, norm, clip_coefficient(norm, grad_clip)
+
+
+class RelaySync:
+    scheme = "gradients"
+    worker_optimizer = True
+    exact_replicas = True
+
+    def __init__(self, compression: CompressionConfig, train: TrainConfig, layout: ParamLayout):
+        self.grad_clip = train.grad_clip
+        self.uplink = Uplink(compression, layout)
+
+    # ---------------------------------------------------------------- worker
+    def contribute(self, step, n_bags, grad, buffers) -> Contribution:
+        gradient = self.uplink.encode(grad, step.keep_ratio) if n_bags else b""
+        return contribution(step.index, n_bags, gradient, buffers)
+
+    def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
+        start = time.perf_counter()
+        channel.send_up(part.body)
+        data = channel.recv_down()
+        received = time.perf_counter()
+        frame = decode_frame(data, parts_of={KIND_GRADIENTS: len(step.bags) + 1, KIND_SUM: 2},
+                             version=step.index + 1)
+        if frame.kind == KIND_SUM:
+            total = frame.floats(0, replica.numel, "gradient sum")
+        else:
+            total = self.uplink.sum_into(torch.zeros(replica.numel), frame.parts[:-1], step.counts(),
+                                         step.keep_ratio)
+        replica.step(total / step.n_bags, step.lr, frame.clip)
+        replica.load_buffers(frame.buffers(replica.n_buffers))
+        replica.version = step.index + 1
+        return Received(data.numel(), received - start, time.perf_counter() - received)
+
+    # ---------------------------------------------------------------- master
+    def master(self, channel: Channel, step: StepPlan, replica: Replica) -> MasterStep:
+        start = time.perf_counter()
+        grads, buffers = split_up(channel.gather_up(), replica)
+        merged = None if buffers is None else buffers / step.n_bags
+        waited = time.perf_counter()
+        relay = step.keep_ratio < 1.0 and sum(g.numel() for g in grads) < 4 * replica.numel
+        broken: list[ChannelBroken] = []
+
+        def send(kind: int, clip: float, parts: list[torch.Tensor]) -> int:
+            """Send the frame; a failure is raised only once the master has taken the step too (the live
+            workers take it whatever happens to another one)."""
+            frame = encode_frame(kind, step.index + 1, clip, [*parts, buffers_part(merged)])
+            try:
+                channel.send_down(frame)
+            except ChannelBroken as err:
+                broken.append(err)
+            return frame.numel()
+
+        early = relay and self.grad_clip is None  # nothing to compute first: the workers decode meanwhile
+        down = send(KIND_GRADIENTS, 1.0, grads) if early else 0
+        sent = time.perf_counter()
+        total = self.uplink.sum_into(torch.zeros(replica.numel), grads, step.counts(), step.keep_ratio)
+        grad, norm, clip = mean_and_clip(total, step.n_bags, self.grad_clip)
+        decoded = time.perf_counter()
+        if not early:
+            down = send(KIND_GRADIENTS, clip, grads) if relay else send(KIND_SUM, clip, [as_part(total)])
+        relayed = time.perf_counter()
+        replica.step(grad, step.lr, clip)  # the workers take the same step meanwhile
+        replica.load_buffers(merged)
+        replica.version = step.index + 1
+        if broken:
+            raise broken[0]
+        done = time.perf_counter()
+        return MasterStep(
+            index=step.index,
+            n_bags=step.n_bags,
+            grad_norm=norm,
+            wait_seconds=waited - start,
+            decode_seconds=decoded - sent,
+            optimizer_seconds=done - relayed,
+            encode_seconds=(sent - waited) + (relayed - decoded),
+            down_bytes=down,
+            down_dense_bytes=4 * (replica.numel + replica.n_buffers),
+            step_seconds=done - start,
+        )
+
+    def restart(self, replica: Replica) -> None:
+        """Nothing to restart: workers take the master's own steps."""
+
+    def held(self, replica: Replica) -> torch.Tensor:
+        return replica.flat_params()
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {"uplink": self.uplink.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.uplink.load_state_dict(state["uplink"])

@@ -1,0 +1,97 @@
+"""How the master (rank 0) and the workers (ranks 1..P) exchange a step's data: the :class:`Channel`
+contract and its one error, :class:`ChannelBroken`.
+
+A step is one round trip through the master: every worker sends one message up (:meth:`Channel.send_up`,
+received by the master's :meth:`Channel.gather_up`), the master sends one message down to every worker
+(:meth:`Channel.send_down` / :meth:`Channel.recv_down`). Messages are 1-D ``uint8`` tensors (a float
+tensor travels as ``as_bytes(t)``, without a copy). Two transports implement the contract:
+``dpgs.distributed.gloo`` (point-to-point sends of a ``torch.distributed`` gloo group formed inside the
+Ray actors) and ``dpgs.distributed.mailbox`` (object references through a small Ray actor, where the
+processes cannot connect to each other); ``dpgs.distributed.rendezvous`` opens one or the other.
+
+Faults: a peer that dies surfaces at once (its connection closes), an operation that waits longer than
+the timeout fails, and both raise :class:`ChannelBroken`. The master is in every exchange, so when it
+cannot complete one it tells every live worker (:meth:`Channel.abort`); everyone then reports where they
+stopped and the driver re-forms the group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+MASTER_RANK = 0
+JOIN_TIMEOUT_S = 60.0  # how long joining a group waits for the other ranks
+
+
+def worker_rank(worker: int) -> int:
+    """Group rank of worker ``worker`` (0-based): the master is rank 0."""
+    return worker + 1
+
+
+class ChannelBroken(RuntimeError):
+    """An exchange could not complete (a peer died or hung, or the master aborted the step)."""
+
+
+class Channel(Protocol):
+    rank: int
+    world: int
+
+    def send_up(self, body: torch.Tensor) -> None:
+        """Worker: send ``body`` (1-D uint8) to the master."""
+
+    def gather_up(self) -> list[torch.Tensor]:
+        """Master: every worker's message, in worker order."""
+
+    def send_down(self, body: torch.Tensor) -> None:
+        """Master: send ``body`` to every worker."""
+
+    def recv_down(self) -> torch.Tensor:
+        """Worker: the master's message (ChannelBroken when the master aborted the exchange)."""
+
+    def abort(self, drain: bool) -> None:
+        """Master: make every live worker's next :meth:`recv_down` raise ChannelBroken. ``drain``: the
+        workers are about to send their next message up (they received the last one down); take it first."""
+
+    def close(self) -> None:
+        """Leave the group."""
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as a flat uint8 view."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+class EmulatedLink:
+    """A worker's channel that also waits, for each message up and down, its transfer time over a link of
+    ``mbps`` megabits per second (``dpgs.emulate_bandwidth_mbps``: bandwidth experiments on one machine)."""
+
+    def __init__(self, channel: Channel, mbps: float):
+        self.channel, self.mbps = channel, mbps
+        self.rank, self.world = channel.rank, channel.world
+
+    def _wait(self, body: torch.Tensor) -> None:
+        time.sleep(body.numel() * 8 / (self.mbps * 1e6))
+
+    def send_up(self, body: torch.Tensor) -> None:
+        self._wait(body)
+        self.channel.send_up(body)
+
+    def gather_up(self) -> list[torch.Tensor]:
+        return self.channel.gather_up()
+
+    def send_down(self, body: torch.Tensor) -> None:
+        self.channel.send_down(body)
+
+    def recv_down(self) -> torch.Tensor:
+        body = self.channel.recv_down()
+        self._wait(body)
+        return body
+
+    def abort(self, drain: bool) -> None:
+        self.channel.abort(drain)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,208 @@
+"""Run records: the files a run writes, the DPGS checkpoint format, the MLflow names every command uses,
+and the way from an MLflow run id to its run directory. Every mode writes and reads through these names.
+
+A run directory is ``train.output_dir`` (``output_dir/fold_k`` for each fold of a k-fold run)::
+
+    config.yaml           the run's config                    classes.json   class names, output order
+    metrics.csv           one row per epoch                   run.json       MLflow run id, experiment, URI
+    last.pt, best.pt      model state_dicts                   training_curves.png
+    checkpoint.pt         DPGS only: what ``--resume`` continues (:class:`Checkpoint`)
+
+A DPGS checkpoint is a dict of tensors and plain values (loaded with ``weights_only=True``)::
+
+    {"format": CHECKPOINT_FORMAT,
+     "master":  {"model", "optimizer", "step", "sync"},             MasterCheckpoint
+     "driver":  {"epoch", "step_in_epoch", "history", "config",      where the driver stood
+                 "worker_restarts", "seed"},
+     "workers": [each worker's step-synchronisation state, or None]}
+
+MLflow: params are the flattened config plus :data:`RUN_PARAMS`; tags are the ``TAG_*`` names below.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dpgs.errors import RunFailure
+from dpgs.outputs import save_torch_atomically, write_text_atomically
+
+# ---------------------------------------------------------------- files of a run directory
+CONFIG_FILE = "config.yaml"
+CLASSES_FILE = "classes.json"
+METRICS_FILE = "metrics.csv"
+RUN_FILE = "run.json"
+LAST_WEIGHTS = "last.pt"
+BEST_WEIGHTS = "best.pt"
+CHECKPOINT_FILE = "checkpoint.pt"
+CURVES_FILE = "training_curves.png"
+RUN_DIR_FILES = (CONFIG_FILE, CLASSES_FILE, BEST_WEIGHTS)  # what makes a directory a trained run
+REPLACED_BY_A_NEW_RUN = (BEST_WEIGHTS, LAST_WEIGHTS, METRICS_FILE, CHECKPOINT_FILE)
+ARTIFACTS = (CONFIG_FILE, CLASSES_FILE, METRICS_FILE, BEST_WEIGHTS)  # logged to MLflow (with the curves)
+
+# ---------------------------------------------------------------- MLflow names
+TAG_MODE = "dpgs.mode"
+TAG_MODEL = "dpgs.model"
+TAG_FOLD = "dpgs.fold"  # the nested run of one fold: its split name
+TAG_KFOLD_PARENT = "dpgs.kfold_parent"  # "true" on the parent run of several splits
+TAG_ERROR = "dpgs.error"  # why a run ended FAILED or KILLED
+TAG_KIND = "dpgs.kind"  # "comparison" or "evaluation" for runs that are not trainings
+TAG_EVALUATES = "dpgs.evaluates"  # the training run a `dpgs eval` run evaluates
+TAG_METRIC = "dpgs.metric"  # the metric of a comparison run
+TAG_PARENT = "mlflow.parentRunId"
+PARAM_OUTPUT_DIR = "train.output_dir"
+PARAM_STEPS_PER_EPOCH = "steps_per_epoch"  # optimizer steps per epoch (accumulation included)
+KIND_COMPARISON, KIND_EVALUATION = "comparison", "evaluation"
+
+CHECKPOINT_FORMAT = 3
+
+
+class CheckpointError(RunFailure):
+    """A checkpoint that cannot be found or read; the message names it. Nothing was written."""
+
+    exit_code = 2
+
+
+@dataclass
+class MasterCheckpoint:
+    """The master's part of a checkpoint: weights, optimizer, optimizer steps taken, and its
+    step-synchronisation state (``StepSync.state_dict``)."""
+
+    model: dict
+    optimizer: dict
+    step: int
+    sync: dict
+
+
+@dataclass
+class Checkpoint:
+    """A DPGS checkpoint as read back (module docstring); ``driver`` as the driver wrote it."""
+
+    master: MasterCheckpoint
+    driver: dict
+    workers: list
+
+
+DRIVER_KEYS = ("epoch", "step_in_epoch", "history", "config")
+
+
+def save_checkpoint(path: str | Path, master: MasterCheckpoint, driver: dict, workers: list) -> Path:
+    """Write a checkpoint atomically (``dpgs.outputs``); a failure leaves the previous one intact."""
+    missing = [k for k in DRIVER_KEYS if k not in driver]
+    if missing:
+        raise ValueError(f"checkpoint driver part lacks {', '.join(missing)}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return save_torch_atomically(
+        {"format": CHECKPOINT_FORMAT, "master": asdict(master), "driver": driver, "workers": list(workers)},
+        path,
+    )
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint at ``path``; CheckpointError naming it when it is missing, corrupt, not a dpgs
+    checkpoint or written by another checkpoint format."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"--resume: checkpoint {path} not found")
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip, pickle of other objects, ...: torch raises many types
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(
+            f"--resume: checkpoint {path} is corrupt or not a dpgs checkpoint ({type(err).__name__}: "
+            f"{first_line}); resume from an intact checkpoint or start a new run"
+        ) from None
+    parts = raw if isinstance(raw, dict) else {}
+    master, driver = parts.get("master"), parts.get("driver")
+    if not (isinstance(master, dict) and isinstance(driver, dict) and all(k in driver for k in DRIVER_KEYS)):
+        raise CheckpointError(
+            f"--resume: {path} is not a DPGS checkpoint (expected 'master' and 'driver' with "
+            f"{', '.join(DRIVER_KEYS)})"
+        )
+    if parts.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"--resume: {path} has checkpoint format {parts.get('format')}; this dpgs reads format "
+            f"{CHECKPOINT_FORMAT} (resume with the dpgs version that wrote it, or start a new run)"
+        )
+    try:
+        master_part = MasterCheckpoint(**master)
+    except TypeError as err:
+        raise CheckpointError(f"--resume: {path}: the master's part does not fit ({err})") from None
+    return Checkpoint(master_part, driver, list(parts.get("workers") or []))
+
+
+def write_run_file(run_dir: Path, run_id: str, experiment: str, tracking_uri: str) -> Path:
+    """``run.json``: the MLflow run of a run directory."""
+    return write_text_atomically(
+        Path(run_dir) / RUN_FILE,
+        json.dumps({"run_id": run_id, "experiment": experiment, "tracking_uri": tracking_uri}),
+    )
+
+
+def recorded_run_id(run_dir: Path) -> str | None:
+    """The MLflow run id in ``run_dir/run.json`` (None when there is none or it cannot be read)."""
+    try:
+        return str(json.loads((Path(run_dir) / RUN_FILE).read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run_dir_of(params: dict[str, str], tags: dict[str, str]) -> Path | None:
+    """The directory an MLflow run of ``dpgs train`` wrote to (None: not a dpgs training run): its param
+    ``train.output_dir``, plus the fold name (tag ``dpgs.fold``) for the nested run of a fold; a relative
+    directory is relative to the current directory, as training wrote it."""
+    out = params.get(PARAM_OUTPUT_DIR)
+    if not out:
+        return None
+    fold = tags.get(TAG_FOLD)
+    return Path(out) / fold if fold else Path(out)
+
+
+def mlflow_run(run_id: str, tracking_uri: str, what: str):
+    """The MLflow run ``run_id`` of ``tracking_uri``; CheckpointError naming ``what`` (the option that gave
+    the id) when the store does not exist or has no such run."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    missing = sqlite_store_missing(tracking_uri)
+    if missing is not None:
+        raise CheckpointError(f"{what} {run_id}: no file or directory of that name, and the tracking store "
+                              f"{missing} does not exist (give --tracking-uri)")
+    try:
+        return MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+    except MlflowException as err:
+        raise CheckpointError(f"{what} {run_id}: neither a file, a directory nor an MLflow run id in "
+                              f"{tracking_uri} ({err.message})") from None
+
+
+def sqlite_store_missing(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///FILE`` URI when it does not exist (opening it would create it)."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        return None
+    path = Path(uri[len(prefix) :].split("?", 1)[0])
+    return None if path.is_file() else path
+
+
+def find_checkpoint(target: str, tracking_uri: str) -> Path:
+    """What ``dpgs train --resume TARGET`` continues: a checkpoint file, a run directory holding
+    ``checkpoint.pt``, or an MLflow run id (its run directory's ``checkpoint.pt``)."""
+    path = Path(target)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        candidate = path / CHECKPOINT_FILE
+        if candidate.is_file():
+            return candidate
+        raise CheckpointError(f"--resume {target}: no {CHECKPOINT_FILE} in that directory")
+    run = mlflow_run(target, tracking_uri, "--resume")
+    run_dir = run_dir_of(run.data.params, run.data.tags)
+    candidate = (run_dir or Path("")) / CHECKPOINT_FILE
+    if run_dir is None or not candidate.is_file():
+        raise CheckpointError(
+            f"--resume {target}: the run's output directory has no {CHECKPOINT_FILE} ({candidate})"
+        )
+    return candidate
