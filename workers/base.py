@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import ray
@@ -60,7 +61,7 @@ class BagGradients:
     group_restarts: int = 0
 
 
-class Worker:
+class Worker(ABC):
     """Base worker; subclasses build the model (:meth:`build_model`) and implement :meth:`bag_gradients`;
     :meth:`on_weights_changed` and :meth:`step_buffers` are there for workers that compute elsewhere than
     in their replica (``GroupWorker``)."""
@@ -90,16 +91,16 @@ class Worker:
         return WorkerLaunch(cpus=res.cpus, gpus=res.gpus, placed=True, threads=res.threads, device=res.device)
 
     # ---------------------------------------------------------------- hooks
+    @abstractmethod
     def build_model(self, model_spec) -> torch.nn.Module:
         """The replica this worker holds (and, for bag workers, computes with)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def bag_gradients(self, indices: list[int], bags: list, step: StepPlan) -> BagGradients:
         """Gradient of the sum of the losses of ``bags`` (dataset ``indices``; one micro-batch of this
         worker in ``step``)."""
-        raise NotImplementedError
 
-    def on_weights_changed(self) -> None:
+    def on_weights_changed(self) -> None:  # noqa: B027 - an optional hook, nothing to do by default
         """Called after the replica's weights change outside a step (fold start, resync)."""
 
     def step_buffers(self) -> torch.Tensor | None:
@@ -121,7 +122,7 @@ class Worker:
             f"resources=[{resources}]"
         ]
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, nothing to do by default
         """Release what the worker holds besides itself (called before the driver kills the actor)."""
 
     def join(self, rendezvous: Rendezvous) -> int:

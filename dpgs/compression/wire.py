@@ -303,7 +303,7 @@ def decode(payload: bytes, *, expected_numel: int | None = None, expected_versio
     if expected_kinds is not None and header.kind not in expected_kinds:
         wanted = " or ".join(KIND_NAMES[k] for k in expected_kinds)
         raise PayloadError(f"a {KIND_NAMES[header.kind]} payload where a {wanted} payload is expected")
-    wrong_dtype = expected_dtype is not None and header.value_dtype is not expected_dtype
+    wrong_dtype = expected_dtype is not None and header.value_dtype.code != expected_dtype.code
     if wrong_dtype and header.kind != KIND_SNAPSHOT:
         raise PayloadError(f"value dtype {header.value_dtype.name}, expected {expected_dtype.name} "
                            "(snapshots are always fp32)")

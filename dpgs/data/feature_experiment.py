@@ -1,6 +1,7 @@
-"""Everything a training run needs from ``config.data``: manifest, validated dataset and splits.
+"""Everything a training run on feature bags needs from ``config.data``: manifest, validated dataset and
+splits (``dpgs.experiment.load_experiment_data`` picks this or ``dpgs.wsi.tile_experiment``).
 
-:func:`load_experiment_data` reads the manifest, builds the splits and validates every feature file,
+:func:`load_feature_experiment` reads the manifest, builds the splits and validates every feature file,
 then raises one :class:`DataValidationError` listing all problems (manifest rows, split files, feature
 files) before anything is written. Split precedence: ``data.folds > 1`` (K-fold), else
 ``data.split_file`` (CLAM), else the manifest's ``split`` column. Training needs at least two classes,

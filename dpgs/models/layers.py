@@ -47,8 +47,3 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, dim: int) ->
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores, dim=dim)
-
-
-def pad_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """mask [B, N] -> [B, N, 1] to broadcast over the last axis of ``like`` [B, N, K] (None stays None)."""
-    return None if mask is None else mask.unsqueeze(-1).expand(like.shape)

@@ -1,0 +1,187 @@
+"""The step-synchronisation contract (``dpgs.distributed.sync``) in one process: the master and P workers
+as threads over an in-memory channel, each rank with its own (pickled) copy of the fold's ``StepSync``,
+exactly as Ray ships it. Checked against a dense single-process reference."""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+
+import pytest
+import torch
+
+from dpgs.config import load_config
+from dpgs.distributed.messages import StepPlan
+from dpgs.distributed.replica import Replica
+from dpgs.distributed.sync import build_sync
+from dpgs.train.optim import build_optimizer, optimizer_step
+
+
+class Wire:
+    """In-memory channels of a master and P workers (the ``Channel`` contract, without faults)."""
+
+    def __init__(self, workers: int):
+        self.up = [queue.Queue() for _ in range(workers)]
+        self.down = [queue.Queue() for _ in range(workers)]
+        self.bytes_up = self.bytes_down = 0
+
+    def master(self):
+        wire = self
+
+        class Master:
+            rank, world = 0, len(wire.up) + 1
+
+            def gather_up(self):
+                return [q.get(timeout=30) for q in wire.up]
+
+            def send_down(self, body):
+                wire.bytes_down += body.numel() * len(wire.down)
+                for q in wire.down:
+                    q.put(body.clone())
+
+        return Master()
+
+    def worker(self, w: int):
+        wire = self
+
+        class Worker:
+            rank, world = w + 1, len(wire.up) + 1
+
+            def send_up(self, body):
+                wire.bytes_up += body.numel()
+                wire.up[w].put(body.clone())
+
+            def recv_down(self):
+                return wire.down[w].get(timeout=30)
+
+        return Worker()
+
+
+def model_and_config(*overrides: str):
+    config = load_config(None, ["train.mode=dpgs", "dpgs.workers=2", "train.optimizer=adam", "train.lr=0.01",
+                                "dpgs.compression.dense_min_numel=0", *overrides])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.BatchNorm1d(30), torch.nn.Linear(30, 2))
+    return config, model
+
+
+def gradients(step: int, worker: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + worker))
+
+
+def run(config, model, keeps: list[float], workers: int = 2):
+    """Steps at the keep ratios ``keeps``: worker w contributes ``gradients(step, w)`` for 2 bags and the
+    buffers ``w + step``. Returns (master replica, worker replicas, wire)."""
+    sync = build_sync(config, model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def replica(with_optimizer: bool) -> Replica:
+        r = Replica(pickle.loads(pickle.dumps(model)), config.train)
+        r.restart(state, with_optimizer)
+        return r
+
+    master = replica(True)
+    master_sync = pickle.loads(pickle.dumps(sync))
+    master_sync.restart(master)
+    ranks = [(replica(sync.worker_optimizer), pickle.loads(pickle.dumps(sync))) for _ in range(workers)]
+    wire = Wire(workers)
+    plans = [StepPlan(i, 1, i, tuple(((2 * w, 2 * w + 1),) for w in range(workers)), 0.01, keep)
+             for i, keep in enumerate(keeps)]
+    errors = []
+
+    def worker_loop(w: int):
+        rep, rank_sync = ranks[w]
+        try:
+            for plan in plans:
+                grad = gradients(plan.index, w, rep.numel)
+                part = rank_sync.contribute(plan, 2, grad, torch.full((rep.n_buffers,), float(w + plan.index),
+                                                                      dtype=torch.float64))
+                rank_sync.worker(wire.worker(w), plan, part, rep)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker_loop, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for plan in plans:
+        master_sync.master(wire.master(), plan, master)
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return master, [r for r, _ in ranks], wire
+
+
+def dense_reference(config, model, steps: int, workers: int = 2) -> torch.Tensor:
+    """The same steps in one process: mean of the workers' gradients, one optimizer step each."""
+    reference = pickle.loads(pickle.dumps(model))
+    params = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, config.train)
+    numel = sum(p.numel() for p in params)
+    for step in range(steps):
+        total = torch.zeros(numel)
+        for w in range(workers):
+            total.add_(gradients(step, w, numel))
+        grad = total / (2 * workers)
+        offset = 0
+        for p in params:
+            p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer_step(optimizer, params, 0.01, 1.0)
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+@pytest.mark.parametrize("downlink", ["gradients", "delta"])
+def test_dense_steps_equal_the_single_process_steps(downlink):
+    config, model = model_and_config(f"dpgs.compression.downlink={downlink}")
+    master, replicas, wire = run(config, model, [1.0, 1.0, 1.0])
+    expected = dense_reference(config, model, 3)
+    assert torch.equal(master.flat_params(), expected)
+    numel, buffers = master.numel, master.n_buffers
+    assert wire.bytes_up == 3 * 2 * (4 * numel + 8 * buffers)  # raw float32 gradient, float64 buffers
+    for r in replicas:  # exactly the master's weights and (merged) buffers, in either scheme
+        assert torch.equal(r.flat_params(), expected) and r.version == 3
+        assert torch.equal(r.flat_buffers(), master.flat_buffers())
+    # merged buffers: the bag-weighted mean of the workers' (w + step): (0 + 1) / 2 + 2 at the last step
+    assert torch.equal(master.flat_buffers(), torch.full((buffers,), 2.5, dtype=torch.float64))
+
+
+def test_relayed_compressed_steps_keep_every_replica_identical_to_the_master():
+    config, model = model_and_config("dpgs.compression.downlink=gradients")
+    master, replicas, wire = run(config, model, [0.25, 0.05, 0.01, 1.0, 0.05])  # warm-up, dense, sparse
+    for r in replicas:
+        assert torch.equal(r.flat_params(), master.flat_params())
+        for a, b in zip(r.optimizer.state.values(), master.optimizer.state.values(), strict=True):
+            assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    assert wire.bytes_up < 2 * 5 * 4 * master.numel  # compressed most of the time
+
+
+def test_keep_ratio_changes_mid_run_lose_nothing_with_sgd():
+    """With SGD (linear in the gradient) and error feedback, what top-k held back arrives at the next
+    dense step: after sparse steps then a dense one, the weights are the dense run's (up to rounding)."""
+    config, model = model_and_config("train.optimizer=sgd", "train.momentum=0", "train.weight_decay=0",
+                                     "dpgs.compression.value_dtype=fp32")
+    sparse, _, _ = run(config, model, [0.01, 0.05, 1.0])
+    dense, _, _ = run(config, model, [1.0, 1.0, 1.0])
+    torch.testing.assert_close(sparse.flat_params(), dense.flat_params(), rtol=0, atol=1e-6)
+
+
+def test_delta_downlink_workers_hold_what_the_master_says():
+    config, model = model_and_config("dpgs.compression.downlink=delta")
+    master, replicas, _ = run(config, model, [0.05, 0.05, 0.05])
+    held = replicas[0].flat_params()
+    assert all(r.version == 3 and torch.equal(r.flat_params(), held) for r in replicas)
+    assert not torch.equal(held, master.flat_params())  # they lag by the master's residual
+
+
+def test_a_shipped_copy_decodes_what_another_copy_encoded():
+    """Every rank unpickles its own copy of the sync object (Ray ships it): the codecs' settings, value
+    dtype included, must survive the trip."""
+    config, model = model_and_config()
+    sync = build_sync(config, model)
+    a, b = pickle.loads(pickle.dumps(sync)), pickle.loads(pickle.dumps(sync))
+    plan = StepPlan(0, 1, 0, (((0,),),), 0.01, 0.1)
+    numel = sum(p.numel() for p in model.parameters())
+    part = a.contribute(plan, 1, torch.randn(numel), None)
+    total = b.uplink.sum_into(torch.zeros(numel), [part.body], [1], 0.1)
+    assert torch.count_nonzero(total) == round(0.1 * numel)
