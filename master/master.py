@@ -19,6 +19,7 @@ import torch
 
 from dpgs.config import Config
 from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.link_probe import LinkProbe, probe_as_master
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState
 from dpgs.distributed.rendezvous import Rendezvous, free_address
 from dpgs.distributed.replica import Replica
@@ -86,6 +87,10 @@ class Master:
                 result.reason = str(err)
                 return result
         return result
+
+    def probe_link(self, sizes: tuple[int, ...]) -> LinkProbe:
+        """Time a probe exchange with every worker (``dpgs.distributed.link_probe``)."""
+        return probe_as_master(self.channel, sizes)
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> MasterCheckpoint:

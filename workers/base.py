@@ -31,6 +31,7 @@ import torch
 
 from dpgs.config import Config
 from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.link_probe import probe_as_worker
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState, StepPlan, WorkerStep
 from dpgs.distributed.rendezvous import Rendezvous
 from dpgs.distributed.replica import Replica
@@ -173,6 +174,10 @@ class Worker(ABC):
 
     def load_sync_state(self, state: dict) -> None:
         self.sync.load_state_dict(state)
+
+    def probe_link(self, sizes: tuple[int, ...]) -> None:
+        """Answer the master's link probe (``dpgs.distributed.link_probe``)."""
+        probe_as_worker(self.channel, sizes)
 
     # ---------------------------------------------------------------- steps
     def run_chunk(self, plan: ChunkPlan) -> ChunkResult:

@@ -9,7 +9,7 @@ values a newcomer should start from.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -151,7 +151,17 @@ class TrackingConfig(Section):
 class CompressionConfig(Section):
     """DPGS gradient compression; the defaults are the measured ones of docs/convergence.md."""
 
-    keep_ratio: float = Field(0.01, gt=0, le=1, description="fraction of gradient entries sent (1: dense)")
+    keep_ratio: Annotated[float, Field(gt=0, le=1)] | Literal["auto"] = Field(
+        "auto", description="fraction of gradient entries sent (1: dense); auto: chosen each epoch from the "
+        "measured link and compute (dpgs.distributed.schedule)"
+    )
+    auto_ratios: tuple[Annotated[float, Field(gt=0, le=1)], ...] = Field(
+        (1.0, 0.1, 0.01, 0.001), min_length=1, description="keep_ratio=auto chooses among these"
+    )
+    auto_share: float = Field(
+        0.1, gt=0, lt=1, description="keep_ratio=auto: the largest ratio whose exchange costs at most this "
+        "share of a step's compute (1 when the dense exchange does)"
+    )
     value_dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
     clip_norm: float | None = Field(None, gt=0)
     zstd_level: int = Field(3, ge=1, le=22)

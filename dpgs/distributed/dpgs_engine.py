@@ -14,16 +14,19 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dpgs.compression import ParamLayout
 from dpgs.config import config_to_dict
 from dpgs.distributed.assignment import assign_lpt, imbalance
+from dpgs.distributed.flat import float_buffers
 from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.link_probe import probe_sizes
 from dpgs.distributed.messages import ChunkPlan, StepPlan
 from dpgs.distributed.rank_group import ChunkReports, MasterFailure, RankGroup, WorkerFailure
-from dpgs.distributed.schedule import KeepSchedule
+from dpgs.distributed.schedule import ByteModel, KeepSchedule, step_compute_seconds
 from dpgs.distributed.sharded_eval import evaluate_on_workers
 from dpgs.distributed.sync import build_sync
 from dpgs.records import CHECKPOINT_FILE, Checkpoint
@@ -108,6 +111,10 @@ class DpgsEngine:
         self.skip_steps = 0  # steps of the first epoch already done before a resume
         self.restarts_before = group.restarts
         self.keep = KeepSchedule(self.cfg.compression)
+        layout = ParamLayout.from_module(setup.model)
+        buffers = sum(b.numel() for b in float_buffers(setup.model))
+        self.bytes = ByteModel.of(self.cfg.compression, layout, buffers, len(group.workers))
+        self.compute_seconds: float | None = None  # a step's compute as last measured (keep_ratio=auto)
         sync = build_sync(setup.config, setup.model)
         self.replicas_exact = sync.exact_replicas
         fold = FoldStart(setup.output_dir.name, setup.model.state_dict(), setup.class_weights, sync)
@@ -163,34 +170,74 @@ class DpgsEngine:
         plans = self.plan_epoch(batches, epoch)
         todo = plans[self.skip_steps :]
         reports = ChunkReports()
+        figures = {}
+        if self.keep.auto and todo:
+            todo, figures = self._choose_keep_ratio(todo, plans, epoch, history, reports)
         for chunk in self._chunks(todo):
-            following = (
-                plans[chunk[-1].step_in_epoch + 1] if chunk[-1].step_in_epoch + 1 < len(plans) else None
-            )
-            try:
-                done = self.group.run(ChunkPlan(tuple(chunk), following))
-            except WorkerFailure as err:
-                path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
-                raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
-            except MasterFailure as err:
-                path = self.out_dir / CHECKPOINT_FILE
-                last = (
-                    f"resume from {path} with --resume" if path.is_file() else "no checkpoint was written yet"
-                )
-                raise MasterFailure(f"{err}; {last}") from err
-            reports.master += done.master
-            reports.workers += done.workers
-            self.global_step = chunk[-1].index + 1
-            step_in_epoch = chunk[-1].step_in_epoch + 1
-            if self.hooks.after_chunk is not None:
-                self.hooks.after_chunk(self, epoch, step_in_epoch)
-            if self.cfg.checkpoint_every and step_in_epoch < len(plans):
-                self.checkpoint(epoch, step_in_epoch, history)
+            self._run_chunk(chunk, plans, epoch, history, reports)
         self.skip_steps = 0
+        if self.keep.auto:
+            self._measured(reports, todo)
         metrics = epoch_metrics(reports, len(self.group.workers))
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["worker_restarts"] = float(self.restarts)
-        return metrics
+        return {**metrics, **figures}
+
+    def _run_chunk(self, chunk: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
+                   reports: ChunkReports) -> None:
+        """Run ``chunk`` (steps of ``plans``) on the group, adding its reports; checkpoint after it."""
+        following = plans[chunk[-1].step_in_epoch + 1] if chunk[-1].step_in_epoch + 1 < len(plans) else None
+        try:
+            done = self.group.run(ChunkPlan(tuple(chunk), following))
+        except WorkerFailure as err:
+            path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
+            raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
+        except MasterFailure as err:
+            path = self.out_dir / CHECKPOINT_FILE
+            last = f"resume from {path} with --resume" if path.is_file() else "no checkpoint was written yet"
+            raise MasterFailure(f"{err}; {last}") from err
+        reports.master += done.master
+        reports.workers += done.workers
+        self.global_step = chunk[-1].index + 1
+        step_in_epoch = chunk[-1].step_in_epoch + 1
+        if self.hooks.after_chunk is not None:
+            self.hooks.after_chunk(self, epoch, step_in_epoch)
+        if self.cfg.checkpoint_every and step_in_epoch < len(plans):
+            self.checkpoint(epoch, step_in_epoch, history)
+
+    # ------------------------------------------------------------------ keep_ratio=auto
+    def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
+                           reports: ChunkReports) -> tuple[list[StepPlan], dict]:
+        """Probe the links; without a compute measurement yet, run the first step alone at the cheapest
+        ratio to measure it; decide the epoch's ratio. Returns the steps left and the figures."""
+        link = self.group.probe_links(probe_sizes(4 * self.bytes.numel))
+        if self.compute_seconds is None:
+            first = replace(todo[0], keep_ratio=self.keep.measuring_ratio)
+            self._run_chunk([first], plans, epoch, history, reports)
+            self.compute_seconds = step_compute_seconds(reports.workers)
+            todo = todo[1:]
+        decision = self.keep.decide(link, self.compute_seconds, self.bytes)
+        ratio = self.keep.ratio(epoch)
+        print(
+            f"[dpgs] epoch {epoch}: keep_ratio=auto chose {decision.ratio:g} (this epoch {ratio:g}): compute "
+            f"{decision.compute_seconds:.3f} s/step, dense exchange {decision.dense_exchange_seconds:.3f} s, "
+            f"at {decision.ratio:g} {decision.exchange_seconds:.3f} s",
+            flush=True,
+        )
+        return [replace(p, keep_ratio=ratio) for p in todo], {**decision.metrics(), **link.metrics()}
+
+    def _measured(self, reports: ChunkReports, steps: list[StepPlan]) -> None:
+        """Remember the epoch's compute per step and, from its compressed steps, the payload bytes per sent
+        entry (the next decision's inputs)."""
+        if reports.workers:
+            self.compute_seconds = step_compute_seconds(reports.workers)
+        keep = {p.index: p.keep_ratio for p in steps}
+        sparse = [(keep[r.index], r.up_bytes - 8 * self.bytes.buffers) for r in reports.workers
+                  if r.n_bags and keep.get(r.index, 1.0) < 1.0]
+        if sparse:
+            ratio = min(k for k, _ in sparse)
+            sizes = [b for k, b in sparse if k == ratio]
+            self.bytes = self.bytes.calibrated(ratio, sum(sizes) / len(sizes))
 
     # ------------------------------------------------------------------ state
     def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path:
@@ -200,6 +247,7 @@ class DpgsEngine:
             "step_in_epoch": step_in_epoch,
             "history": history,
             "worker_restarts": self.restarts,
+            "keep_ratio": self.keep.steady,
             "seed": self.config.seed,
             "config": config_to_dict(self.config),  # what a resume compares its own config with
         }
@@ -211,6 +259,7 @@ class DpgsEngine:
         self.global_step = self.group.restore(checkpoint)
         self.skip_steps = int(driver["step_in_epoch"])
         self.restarts_before = self.group.restarts - int(driver.get("worker_restarts", 0))
+        self.keep.steady = float(driver.get("keep_ratio", self.keep.steady))
         return driver
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:

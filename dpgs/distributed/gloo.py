@@ -9,6 +9,7 @@ contract and its faults.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ class GlooChannel:
         except (RuntimeError, ValueError, OSError) as err:
             raise ChannelBroken(f"rank {rank}: cannot join the gloo group at {host}:{port}: {err}") from err
         self.dead: set[int] = set()  # ranks whose connection failed (the master sends them nothing more)
+        self.arrivals: list[float] = []  # when each worker's message of the last timed gather arrived
 
     def _wait(self, work, peer: int, what: str) -> None:
         try:
@@ -66,19 +68,39 @@ class GlooChannel:
                 failed.append(str(err))
         return failed
 
-    def gather_up(self) -> list[torch.Tensor]:
+    def _wait_timed(self, works: list[tuple[int, Any]], what: str) -> list[str]:
+        """:meth:`_wait_all`, recording in ``self.arrivals[peer - 1]`` when each work completed (polled)."""
+        failed, pending = [], list(works)
+        while pending:
+            for peer, work in list(pending):
+                if work.is_completed():
+                    pending.remove((peer, work))
+                    self.arrivals[peer - 1] = time.perf_counter()
+                    try:
+                        self._wait(work, peer, what)
+                    except ChannelBroken as err:
+                        failed.append(str(err))
+            if pending:
+                time.sleep(50e-6)
+        return failed
+
+    def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
         """Every live worker's message is taken, even when another worker's failed (the live ones must not
-        stay blocked in their send); then a failure raises ChannelBroken."""
+        stay blocked in their send); then a failure raises ChannelBroken. ``timed``: record each
+        message's arrival in ``self.arrivals`` (``time.perf_counter``)."""
         workers = [r for r in range(1, self.world) if r not in self.dead]
         sizes = {r: torch.zeros(1, dtype=torch.int64) for r in workers}
         failed = self._wait_all(
             [(r, self._group.recv([sizes[r]], r, _SIZE_TAG)) for r in workers], "receiving the size"
         )
         bodies = {r: torch.empty(int(sizes[r]), dtype=torch.uint8) for r in workers if r not in self.dead}
-        failed += self._wait_all(
-            [(r, self._group.recv([b], r, _BODY_TAG)) for r, b in bodies.items() if b.numel()],
-            "receiving a message",
-        )
+        works = [(r, self._group.recv([b], r, _BODY_TAG)) for r, b in bodies.items() if b.numel()]
+        if timed:
+            now = time.perf_counter()
+            self.arrivals = [now] * (self.world - 1)  # empty messages: arrived with their size
+            failed += self._wait_timed(works, "receiving a message")
+        else:
+            failed += self._wait_all(works, "receiving a message")
         if failed or len(workers) < self.world - 1:
             raise ChannelBroken("; ".join(failed) or f"ranks {sorted(self.dead)} are gone")
         return [bodies[r] for r in workers]

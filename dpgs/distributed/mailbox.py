@@ -10,6 +10,7 @@ The driver aborts a generation when a rank dies, which wakes every waiting rank 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import ray
 import torch
@@ -69,6 +70,7 @@ class MailboxChannel:
         self.rank, self.world = rank, world
         self.mailbox, self.generation, self.timeout_s = mailbox, generation, timeout_s
         self.seq = 0
+        self.arrivals: list[float] = []  # when each worker's message of the last timed gather arrived
 
     def _next(self) -> int:
         self.seq += 1
@@ -91,9 +93,23 @@ class MailboxChannel:
     def send_up(self, body: torch.Tensor) -> None:
         self._post(self._next(), MASTER_RANK, body, 1)
 
-    def gather_up(self) -> list[torch.Tensor]:
+    def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
         seq = self._next()
-        return [self._take(seq, src, MASTER_RANK) for src in range(1, self.world)]
+        if not timed:
+            return [self._take(seq, src, MASTER_RANK) for src in range(1, self.world)]
+        refs = {self.mailbox.take.remote((self.generation, seq, src, MASTER_RANK), self.timeout_s): src
+                for src in range(1, self.world)}
+        self.arrivals = [0.0] * (self.world - 1)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self.timeout_s + 30)
+            if not ready:
+                raise ChannelBroken(f"rank {self.rank}: the mailbox is unreachable")
+            self.arrivals[refs[ready[0]] - 1] = time.perf_counter()
+        try:
+            return ray.get(list(refs))
+        except RayTaskError as err:
+            raise ChannelBroken(f"rank {self.rank}: {err.cause if err.cause else err}") from err
 
     def send_down(self, body: torch.Tensor) -> None:
         if self.world > 1:

@@ -26,6 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from dpgs.config.schema import DpgsConfig
 from dpgs.distributed.actors import PlacedActors, get_all
 from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.mailbox import Mailbox
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, MasterStep, WorkerStep
 from dpgs.distributed.rendezvous import Rendezvous
@@ -159,6 +160,11 @@ class RankGroup:
             handles = self.workers.handles
             self._get([w.load_sync_state.remote(s) for w, s in zip(handles, states, strict=True)])
         return self.resync()
+
+    def probe_links(self, sizes: tuple[int, ...]) -> LinkProbe:
+        """Round trips of a probe exchange between the master and every worker (between two chunks)."""
+        refs = [self.master.probe_link.remote(sizes), *self.workers.call("probe_link", sizes)]
+        return self._get(refs)[0]
 
     # ---------------------------------------------------------------- running steps
     def run(self, plan: ChunkPlan) -> ChunkReports:

@@ -1,30 +1,140 @@
 """The keep ratio of every DPGS step: the one place that decides how much of a gradient is sent.
 
-``dpgs.compression.keep_ratio`` fixes the steady ratio (1 sends everything, dense). With
-``dpgs.compression.warmup_epochs = W`` the ratio follows DGC's warm-up 25 %, 6.25 %, 1.5625 %, ... for the
-first W epochs (never below the steady ratio). The driver writes the ratio into each
-:class:`~dpgs.distributed.messages.StepPlan`; the uplink and downlink codecs take it as an argument.
+* A fixed ``dpgs.compression.keep_ratio`` (1 sends everything, dense) is the steady ratio.
+* ``keep_ratio=auto`` chooses it each epoch from what the run measures (:meth:`KeepSchedule.decide`): the
+  links between the master and its workers (``dpgs.distributed.link_probe``) and the compute time of a
+  step (the slowest worker's forward/backward, median over the steps measured). The exchange of a step at
+  keep ratio ``k`` is predicted from the bytes it moves per worker (:class:`ByteModel`); auto picks dense
+  when the dense exchange costs at most ``auto_share`` of the compute, otherwise the largest of
+  ``auto_ratios`` whose exchange stays within that share. When none does, the largest ratio whose exchange
+  is within 10 % of the fastest one: on a link whose latency dominates, compressing saves nothing.
+* With ``warmup_epochs = W``, a compressed steady ratio follows DGC's warm-up 25 %, 6.25 %, 1.5625 %, ...
+  for the first W epochs (never below the steady ratio); dense stays dense.
+
+The driver writes the ratio into each :class:`~dpgs.distributed.messages.StepPlan`; the uplink and
+downlink codecs take it as an argument.
 """
 
 from __future__ import annotations
 
-from dpgs.compression import KeepRatioSchedule
+import statistics
+from dataclasses import dataclass, replace
+
+from dpgs.compression import KeepRatioSchedule, ParamLayout
+from dpgs.compression.dtypes import VALUE_DTYPES
 from dpgs.config.schema import CompressionConfig
+from dpgs.distributed.link_probe import LinkProbe
+from dpgs.distributed.messages import WorkerStep
+
+HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
+INDEX_BYTES = 1.0  # bytes per sent entry for its index after zstd (gaps of top-k at <= 10 %; measured ~0.7)
+
+
+@dataclass(frozen=True)
+class ByteModel:
+    """Bytes a worker moves per step at a keep ratio: up its message, down the master's.
+
+    ``numel`` trainable parameters of which ``dense_numel`` are always sent dense, ``buffers`` floating-
+    point buffer values, ``value_bytes`` per sent value, ``workers`` P, ``relay``: the master relays every
+    worker's payload (``downlink=gradients``; the dense sum when that is smaller) rather than one delta.
+    ``entry_bytes`` (value + index) is the assumption until a compressed step measured it.
+    """
+
+    numel: int
+    dense_numel: int
+    buffers: int
+    value_bytes: int
+    workers: int
+    relay: bool
+    entry_bytes: float
+
+    @classmethod
+    def of(cls, cfg: CompressionConfig, layout: ParamLayout, buffers: int, workers: int) -> ByteModel:
+        value_bytes = VALUE_DTYPES["fp32" if cfg.wire == "dgc" else cfg.value_dtype].itemsize
+        dense_numel = int(layout.with_dense_min_numel(cfg.dense_min_numel).dense_ranges()[:, 1].sum())
+        index = 4.0 if cfg.wire == "dgc" else INDEX_BYTES
+        return cls(layout.numel, dense_numel, buffers, value_bytes, workers, cfg.downlink == "gradients",
+                   value_bytes + index)
+
+    def payload(self, keep: float) -> float:
+        """Bytes of one worker's gradient message at ``keep``."""
+        if keep >= 1.0:
+            return 4.0 * self.numel
+        sent = round(keep * (self.numel - self.dense_numel))
+        return HEADER_BYTES + self.value_bytes * self.dense_numel + self.entry_bytes * sent
+
+    def per_worker(self, keep: float) -> tuple[float, float]:
+        """(up, down) bytes of one worker in a step at ``keep``."""
+        up = self.payload(keep) + 8 * self.buffers
+        dense = 4.0 * self.numel
+        down = (min(self.workers * self.payload(keep), dense) if self.relay else self.payload(keep))
+        return up, down + 4 * self.buffers + HEADER_BYTES
+
+    def calibrated(self, keep: float, payload_bytes: float) -> ByteModel:
+        """The model with ``entry_bytes`` measured from a worker's mean payload at ``keep`` < 1."""
+        sent = round(keep * (self.numel - self.dense_numel))
+        if keep >= 1.0 or sent == 0:
+            return self
+        entry = (payload_bytes - HEADER_BYTES - self.value_bytes * self.dense_numel) / sent
+        return replace(self, entry_bytes=max(entry, 1.0))
+
+
+@dataclass(frozen=True)
+class KeepDecision:
+    """What ``keep_ratio=auto`` chose for an epoch, and the figures behind it (logged to MLflow)."""
+
+    ratio: float
+    compute_seconds: float
+    dense_exchange_seconds: float
+    exchange_seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "auto_keep_ratio": self.ratio,
+            "auto_compute_seconds": self.compute_seconds,
+            "auto_dense_exchange_seconds": self.dense_exchange_seconds,
+            "auto_exchange_seconds": self.exchange_seconds,
+            "auto_dense_exchange_share": self.dense_exchange_seconds / max(self.compute_seconds, 1e-9),
+        }
+
+
+def step_compute_seconds(reports: list[WorkerStep]) -> float:
+    """Median over steps of the slowest worker's forward/backward time."""
+    by_step: dict[int, float] = {}
+    for r in reports:
+        by_step[r.index] = max(by_step.get(r.index, 0.0), r.compute_seconds)
+    return statistics.median(by_step.values()) if by_step else 0.0
 
 
 class KeepSchedule:
-    """Keep ratio of a step from the run's compression settings."""
+    """Keep ratio of each step from the run's compression settings (see the module docstring)."""
 
     def __init__(self, cfg: CompressionConfig):
         self.cfg = cfg
-        self.warmup = (
-            KeepRatioSchedule.exponential(cfg.keep_ratio, epochs=cfg.warmup_epochs)
-            if cfg.warmup_epochs and cfg.keep_ratio < 1.0
-            else None
-        )
+        self.auto = cfg.keep_ratio == "auto"
+        self.steady = min(cfg.auto_ratios) if self.auto else float(cfg.keep_ratio)
+
+    @property
+    def measuring_ratio(self) -> float:
+        """The keep ratio of the steps that measure compute before auto's first decision (the cheapest)."""
+        return min(self.cfg.auto_ratios)
+
+    def decide(self, link: LinkProbe, compute_seconds: float, bytes_model: ByteModel) -> KeepDecision:
+        """``keep_ratio=auto``: the steady ratio from the measured link and compute (module docstring)."""
+        budget = self.cfg.auto_share * compute_seconds
+
+        def exchange(keep: float) -> float:
+            return link.exchange_seconds(*bytes_model.per_worker(keep))
+
+        candidates = sorted(set(self.cfg.auto_ratios) | {1.0}, reverse=True)
+        seconds = {k: exchange(k) for k in candidates}
+        fitting = [k for k in candidates if seconds[k] <= budget]
+        fastest = min(seconds.values())
+        self.steady = fitting[0] if fitting else next(k for k in candidates if seconds[k] <= 1.1 * fastest)
+        return KeepDecision(self.steady, compute_seconds, seconds[1.0], seconds[self.steady])
 
     def ratio(self, epoch: int) -> float:
-        """Keep ratio of the steps of ``epoch`` (1-based)."""
-        if self.warmup is None:
-            return self.cfg.keep_ratio
-        return self.warmup.ratio(epoch - 1)
+        """Keep ratio of the steps of ``epoch`` (1-based): the steady one, or its warm-up."""
+        if self.steady >= 1.0 or not self.cfg.warmup_epochs:
+            return self.steady
+        return KeepRatioSchedule.exponential(self.steady, epochs=self.cfg.warmup_epochs).ratio(epoch - 1)

@@ -38,12 +38,13 @@ class ChannelBroken(RuntimeError):
 class Channel(Protocol):
     rank: int
     world: int
-
+    arrivals: list[float]  # master: when each worker's message of the last timed gather_up arrived
     def send_up(self, body: torch.Tensor) -> None:
         """Worker: send ``body`` (1-D uint8) to the master."""
 
-    def gather_up(self) -> list[torch.Tensor]:
-        """Master: every worker's message, in worker order."""
+    def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
+        """Master: every worker's message, in worker order (``timed``: their arrival times in
+        ``arrivals``, ``time.perf_counter`` seconds)."""
 
     def send_down(self, body: torch.Tensor) -> None:
         """Master: send ``body`` to every worker."""
@@ -79,8 +80,12 @@ class EmulatedLink:
         self._wait(body)
         self.channel.send_up(body)
 
-    def gather_up(self) -> list[torch.Tensor]:
-        return self.channel.gather_up()
+    def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
+        return self.channel.gather_up(timed)
+
+    @property
+    def arrivals(self) -> list[float]:
+        return self.channel.arrivals
 
     def send_down(self, body: torch.Tensor) -> None:
         self.channel.send_down(body)

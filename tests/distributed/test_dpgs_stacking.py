@@ -272,3 +272,24 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
     # fresh worker processes vs reused ones: float32 kernels may round differently with buffer alignment
     # (seen at 1.1e-6); state left over from fold 0 (weights, Adam moments, residuals) is orders larger
     assert_close(second, alone, 1e-5)
+
+
+@pytest.mark.parametrize("mbps,compressed", [(None, False), (0.5, True)], ids=["loopback", "emulated-0.5mbps"])
+def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, bags, tmp_path, mbps, compressed):
+    """keep_ratio=auto: on loopback the dense exchange costs next to nothing: dense; behind 0.5 Mbit/s
+    links (emulated in the workers) the dense exchange costs far more than the compute: compressed. Every
+    epoch logs the choice with its figures, and the run ends at the same step count either way."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.compression.keep_ratio=auto", "dpgs.compression.warmup_epochs=0",
+                         f"dpgs.emulate_bandwidth_mbps={mbps or 'null'}")
+    data = experiment_data(config)
+    _, stats, replicas, master = dpgs_run(config, data, [[0, 1, 2, 3], [4, 5, 6, 7]], epochs=2)
+    for epoch in stats:
+        assert (epoch["auto_keep_ratio"] < 1.0) == compressed, epoch
+        assert epoch["auto_compute_seconds"] > 0 and epoch["auto_dense_exchange_seconds"] > 0
+        assert {"link_mbps_worker_0", "link_mbps_worker_1"} <= epoch.keys() or mbps is None
+        assert epoch["optimizer_steps"] == 2.0
+    if mbps:
+        assert all(epoch["link_mbps_worker_0"] == pytest.approx(mbps, rel=0.5) for epoch in stats)
+        assert stats[1]["compression_ratio"] > 5
+    assert all(torch.equal(r.params, master.params) for r in replicas)

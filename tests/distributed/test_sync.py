@@ -5,7 +5,6 @@ exactly as Ray ships it. Checked against a dense single-process reference."""
 from __future__ import annotations
 
 import pickle
-import queue
 import threading
 
 import pytest
@@ -16,46 +15,7 @@ from dpgs.distributed.messages import StepPlan
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import build_sync
 from dpgs.train.optim import build_optimizer, optimizer_step
-
-
-class Wire:
-    """In-memory channels of a master and P workers (the ``Channel`` contract, without faults)."""
-
-    def __init__(self, workers: int):
-        self.up = [queue.Queue() for _ in range(workers)]
-        self.down = [queue.Queue() for _ in range(workers)]
-        self.bytes_up = self.bytes_down = 0
-
-    def master(self):
-        wire = self
-
-        class Master:
-            rank, world = 0, len(wire.up) + 1
-
-            def gather_up(self):
-                return [q.get(timeout=30) for q in wire.up]
-
-            def send_down(self, body):
-                wire.bytes_down += body.numel() * len(wire.down)
-                for q in wire.down:
-                    q.put(body.clone())
-
-        return Master()
-
-    def worker(self, w: int):
-        wire = self
-
-        class Worker:
-            rank, world = w + 1, len(wire.up) + 1
-
-            def send_up(self, body):
-                wire.bytes_up += body.numel()
-                wire.up[w].put(body.clone())
-
-            def recv_down(self):
-                return wire.down[w].get(timeout=30)
-
-        return Worker()
+from tests.distributed.wire import Wire
 
 
 def model_and_config(*overrides: str):

@@ -1,0 +1,91 @@
+"""Measuring the links between the master and its workers: a probe exchange between two chunks.
+
+For each probe size S the master sends S bytes to every worker at once (``send_down``), every worker
+answers with S bytes as soon as it has them (``send_up``), and the master records when each answer
+arrived (``Channel.gather_up(timed=True)``). Worker w's round trip is modelled as
+
+    round_trip_w(S) = latency_w + 2 S / rate_w
+
+(S bytes down and S up through that worker's link, the master's link shared as in a real step). Two sizes
+give both unknowns of every worker; the exchange of a step that moves ``up`` bytes up and ``down`` bytes
+down per worker is then predicted as ``max_w latency_w + (up + down) / rate_w`` (the step waits for the
+slowest worker).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dpgs.distributed.transport import Channel
+
+SMALL_PROBE = 64 << 10
+LARGE_PROBE_MAX = 4 << 20
+REPEATS = 2
+
+
+def probe_sizes(dense_bytes: int) -> tuple[int, int]:
+    """A small and a large probe: 64 KiB, and the dense message up to 4 MiB (at least 4x the small)."""
+    return SMALL_PROBE, max(4 * SMALL_PROBE, min(LARGE_PROBE_MAX, dense_bytes))
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """Round trips ``seconds[i][w]`` of worker w for probe ``sizes[i]`` (bytes each way)."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    @property
+    def workers(self) -> int:
+        return len(self.seconds[0])
+
+    def fit(self, worker: int) -> tuple[float, float]:
+        """(latency in seconds, rate in bytes/s) of ``worker``, the line through the smallest and the largest
+        probe (a rate that cannot be resolved, a flat line, is infinite)."""
+        s0, t0 = self.sizes[0], self.seconds[0][worker]
+        s1, t1 = self.sizes[-1], self.seconds[-1][worker]
+        slope = (t1 - t0) / (2 * (s1 - s0))  # seconds per byte of one direction
+        if slope <= 0:
+            return max(t1, 0.0), math.inf
+        return max(t0 - 2 * s0 * slope, 0.0), 1.0 / slope
+
+    def exchange_seconds(self, up_bytes: float, down_bytes: float) -> float:
+        """Predicted wall time of moving ``up_bytes`` up and ``down_bytes`` down per worker (slowest)."""
+        return max(lat + (up_bytes + down_bytes) / rate for lat, rate in map(self.fit, range(self.workers)))
+
+    def metrics(self) -> dict[str, float]:
+        """Per-worker latency (ms) and rate (Mbit/s) for MLflow."""
+        out = {}
+        for w in range(self.workers):
+            latency, rate = self.fit(w)
+            out[f"link_latency_ms_worker_{w}"] = 1e3 * latency
+            if math.isfinite(rate):
+                out[f"link_mbps_worker_{w}"] = 8 * rate / 1e6
+        return out
+
+
+def probe_as_master(channel: Channel, sizes: tuple[int, ...]) -> LinkProbe:
+    """The master's side: ``REPEATS`` rounds per size, every worker at once; the fastest of each."""
+    seconds = []
+    for size in sizes:
+        rounds = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            channel.send_down(torch.zeros(size, dtype=torch.uint8))
+            replies = channel.gather_up(timed=True)
+            if any(r.numel() != size for r in replies):
+                got = [r.numel() for r in replies]
+                raise RuntimeError(f"link probe: workers answered {got} bytes, not {size}")
+            rounds.append([arrived - start for arrived in channel.arrivals])
+        seconds.append(tuple(min(times) for times in zip(*rounds, strict=True)))
+    return LinkProbe(tuple(sizes), tuple(seconds))
+
+
+def probe_as_worker(channel: Channel, sizes: tuple[int, ...]) -> None:
+    """A worker's side: answer each probe with as many bytes as it received."""
+    for _ in range(REPEATS * len(sizes)):
+        channel.send_up(channel.recv_down())

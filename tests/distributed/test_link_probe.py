@@ -1,0 +1,28 @@
+"""The link probe (``dpgs.distributed.link_probe``) over an in-memory channel whose workers' links are
+emulated (``EmulatedLink``): the fitted rates are the emulated ones, and a slow worker is seen as slow."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dpgs.distributed.link_probe import probe_as_master, probe_as_worker
+from dpgs.distributed.transport import EmulatedLink
+from tests.distributed.wire import Wire
+
+
+def test_probe_measures_each_workers_emulated_link():
+    wire = Wire(2)
+    links = [EmulatedLink(wire.worker(0), 80.0), EmulatedLink(wire.worker(1), 20.0)]
+    sizes = (64 << 10, 1 << 20)
+    threads = [threading.Thread(target=probe_as_worker, args=(link, sizes)) for link in links]
+    for t in threads:
+        t.start()
+    probe = probe_as_master(wire.master(), sizes)
+    for t in threads:
+        t.join()
+    rates = [8 * probe.fit(w)[1] / 1e6 for w in range(2)]
+    assert rates[0] == pytest.approx(80.0, rel=0.3) and rates[1] == pytest.approx(20.0, rel=0.3)
+    # the exchange of 1 MB each way waits for the slow worker: about 2 MB at 20 Mbit/s
+    assert probe.exchange_seconds(1e6, 1e6) == pytest.approx(2e6 * 8 / 20e6, rel=0.3)
