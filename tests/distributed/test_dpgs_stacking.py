@@ -274,7 +274,7 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
     assert_close(second, alone, 1e-5)
 
 
-@pytest.mark.parametrize("mbps,compressed", [(None, False), (0.5, True)], ids=["loopback", "emulated-0.5mbps"])
+@pytest.mark.parametrize("mbps,compressed", [(None, False), (0.5, True)], ids=["loopback", "0.5mbps"])
 def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, bags, tmp_path, mbps, compressed):
     """keep_ratio=auto: on loopback the dense exchange costs next to nothing: dense; behind 0.5 Mbit/s
     links (emulated in the workers) the dense exchange costs far more than the compute: compressed. Every
