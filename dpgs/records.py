@@ -161,21 +161,26 @@ def run_dir_of(params: dict[str, str], tags: dict[str, str]) -> Path | None:
     return Path(out) / fold if fold else Path(out)
 
 
-def mlflow_run(run_id: str, tracking_uri: str, what: str):
-    """The MLflow run ``run_id`` of ``tracking_uri``; CheckpointError naming ``what`` (the option that gave
-    the id) when the store does not exist or has no such run."""
+class RunLookupError(ValueError):
+    """A value that names neither a local path nor an MLflow run of the tracking store."""
+
+
+def mlflow_run(run_id: str, tracking_uri: str, what: str, local: str):
+    """The MLflow run ``run_id`` of ``tracking_uri``. RunLookupError when the store does not exist or has no
+    such run, naming ``what`` (the option that gave the value) and ``local`` (what else it could have
+    named, for example "a run directory")."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     missing = sqlite_store_missing(tracking_uri)
     if missing is not None:
-        raise CheckpointError(f"{what} {run_id}: no file or directory of that name, and the tracking store "
-                              f"{missing} does not exist (give --tracking-uri)")
+        raise RunLookupError(f"{what} {run_id}: no {local} of that name, and the tracking store {missing} "
+                             "does not exist (give --tracking-uri)")
     try:
         return MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
     except MlflowException as err:
-        raise CheckpointError(f"{what} {run_id}: neither a file, a directory nor an MLflow run id in "
-                              f"{tracking_uri} ({err.message})") from None
+        raise RunLookupError(f"{what} {run_id}: neither {local} nor an MLflow run id in {tracking_uri} "
+                             f"({err.message})") from None
 
 
 def sqlite_store_missing(uri: str) -> Path | None:
@@ -198,7 +203,10 @@ def find_checkpoint(target: str, tracking_uri: str) -> Path:
         if candidate.is_file():
             return candidate
         raise CheckpointError(f"--resume {target}: no {CHECKPOINT_FILE} in that directory")
-    run = mlflow_run(target, tracking_uri, "--resume")
+    try:
+        run = mlflow_run(target, tracking_uri, "--resume", "a checkpoint file or run directory")
+    except RunLookupError as err:
+        raise CheckpointError(str(err)) from None
     run_dir = run_dir_of(run.data.params, run.data.tags)
     candidate = (run_dir or Path("")) / CHECKPOINT_FILE
     if run_dir is None or not candidate.is_file():

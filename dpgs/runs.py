@@ -34,6 +34,8 @@ from dpgs.records import (
     TAG_FOLD,
     TAG_KFOLD_PARENT,
     TAG_PARENT,
+    RunLookupError,
+    mlflow_run,
     recorded_run_id,
     run_dir_of,
     sqlite_store_missing,
@@ -119,17 +121,10 @@ def _client(uri: str):
 
 def _get_run(run_id: str, uri: str):
     """The MLflow run ``run_id`` of ``uri``; RunError naming both when there is none."""
-    from mlflow.exceptions import MlflowException
-
-    missing = sqlite_store_missing(uri)
-    if missing is not None:
-        raise RunError(f"--run {run_id}: no run directory of that name, and the tracking store {missing} "
-                       "does not exist (give --tracking-uri)")
     try:
-        return _client(uri).get_run(run_id)
-    except MlflowException as err:
-        raise RunError(f"--run {run_id}: neither a run directory nor an MLflow run id in {uri} "
-                       f"({err.message})") from None
+        return mlflow_run(run_id, uri, "--run", "a run directory")
+    except RunLookupError as err:
+        raise RunError(str(err)) from None
 
 
 def dir_from_run_id(run_id: str, uri: str) -> Path:

@@ -72,7 +72,7 @@ def test_resume_targets(tmp_path):
     tracker.log_params({PARAM_OUTPUT_DIR: str(run_dir)})
     tracker.end()
     assert find_checkpoint(tracker.run_id, uri) == path
-    with pytest.raises(CheckpointError, match="neither a file, a directory nor an MLflow run id"):
+    with pytest.raises(CheckpointError, match="neither a checkpoint file or run directory nor an MLflow"):
         find_checkpoint("0123456789abcdef0123456789abcdef", uri)
 
 
