@@ -36,7 +36,7 @@ demo: $(STAMP)
 	@echo "open them with: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then http://127.0.0.1:5000)"
 
 # Tile bags end to end: 100 synthetic slides (60 train / 20 val / 20 test), tissue tiles, ResNet-18 (big
-# layers) + ABMIL trained by DPGS (2 workers, B=16, encoder + head gradients compressed to 1%), then the
+# layers) + ABMIL trained by DPGS (2 workers, B=16, compression chosen from the measured link), then the
 # frozen-encoder baseline, compared.
 demo-tiles: $(STAMP)
 	$(VENV)/bin/dpgs demo-data demo_slides --kind slides --bags 100 --seed 0
