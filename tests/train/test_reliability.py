@@ -22,6 +22,7 @@ from dpgs.cli import main
 from dpgs.config import config_to_dict, save_config
 from dpgs.errors import RunFailure
 from dpgs.outputs import LOCK_NAME, locked_output_dir
+from dpgs.records import MasterCheckpoint, save_checkpoint
 from dpgs.train.local_engine import LocalSession
 from dpgs.train.resume_check import ResumeError
 from dpgs.train.trainer import train_splits
@@ -75,10 +76,9 @@ def write_checkpoint(config, out: Path) -> Path:
     """What a DPGS run leaves after its first epoch: checkpoint.pt (with the run's config) and config.yaml."""
     out.mkdir(parents=True)
     save_config(config, out / "config.yaml")
-    path = out / "checkpoint.pt"
     driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": config_to_dict(config)}
-    torch.save({"master": {"step": 4}, "driver": driver}, path)
-    return path
+    master = MasterCheckpoint(model={}, optimizer={}, step=4, sync={})
+    return save_checkpoint(out / "checkpoint.pt", master, driver, [])
 
 
 def resumed(*overrides: str, bags, out: Path):
@@ -100,7 +100,7 @@ def test_resume_refuses_run_changing_keys_naming_each_and_writes_nothing(bags, t
     text = str(err.value)
     assert "changes the run in 5 key(s)" in text
     for line in ('model.name: "abmil" -> "meanmil"', "train.batch_size: 4 -> 8", "train.lr: 0.01 -> 0.001",
-                 "seed: 0 -> 1", "dpgs.compression.keep_ratio: 0.01 -> 0.5"):
+                 "seed: 0 -> 1", "dpgs.compression.keep_ratio: \"auto\" -> 0.5"):
         assert f"  {line}\n" in text + "\n", line
     assert err.value.exit_code == 2
     assert (out / "config.yaml").read_bytes() == config_before  # the original run's config is intact
