@@ -11,11 +11,11 @@ lab's rates: 1 ms one-way latency, tc-counted frames) and 10/25/100 Gbps (50 us)
 DPGS keep 1 % and 0.1 % (relayed downlink, dpgs's default; the weight-delta downlink; a merged
 downlink dpgs does not have), DDP and DDP + PowerSGD rank 4. Printed as markdown tables (s/step, where
 the master's link saturates, what to pick) and drawn as a PNG. ``--loopback`` runs P + 1 processes
-exchanging the real message sizes over dpgs's own ``GlooChannel`` on 127.0.0.1, unshaped and (as root)
-inside a private network namespace whose loopback is shaped with tc netem to 100 Mbps and 1 Gbps with
-1 ms delay (the namespace disappears with the process), and compares the measured exchange with the
-model's. ``--train-check`` runs ``dpgs train`` (ABMIL head, P = 2 and 3) in such namespaces and compares
-its step times with the model's. Measured inputs and checks are JSON files, so a quiet machine can regenerate everything.
+exchanging the real message sizes over dpgs's own ``GlooChannel`` on 127.0.0.1 in private network
+namespaces (``scaling_netns``: unshaped, and tc tbf at 100 Mbit/s and 1 Gbit/s) and compares the
+measured exchange with the model's. ``--train-check`` runs ``dpgs train`` (ABMIL head, P = 2 and 3) in
+such namespaces and compares its step times with the model's. Measured inputs and checks are JSON
+files, so a quiet machine can regenerate everything.
 """
 
 from __future__ import annotations
