@@ -21,6 +21,7 @@ files, so a quiet machine can regenerate everything.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -86,6 +87,32 @@ def workload_from(data: dict) -> Workload:
         raise ValueError(f"inputs: workload {data.get('name', '?')}: missing or bad field {err}") from None
 
 
+def with_bag_seconds(w: Workload, seconds: float) -> Workload:
+    """``w`` with one bag's forward + backward set to ``seconds`` (split as measured, no pass cost): a
+    what-if for compute measured elsewhere; every other input stays as measured."""
+    share = w.bag_forward_s / w.bag_s
+    return dataclasses.replace(w, bag_forward_s=seconds * share, bag_backward_s=seconds * (1 - share),
+                               pass_s=0.0)
+
+
+def parse_overrides(items: list[str], workloads: list[Workload]) -> dict[str, float]:
+    """``NAME=SECONDS`` pairs of ``--bag-seconds``, checked against the measured workloads."""
+    out = {}
+    names = {w.name for w in workloads}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in names:
+            raise SystemExit(f"--bag-seconds {item}: expected NAME=SECONDS with NAME one of "
+                             f"{', '.join(sorted(names))}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"--bag-seconds {item}: {value!r} is not a number of seconds") from None
+        if not out[name] > 0:
+            raise SystemExit(f"--bag-seconds {item}: seconds must be positive")
+    return out
+
+
 def load_inputs(path: Path) -> tuple[dict, list[Workload]]:
     if not path.is_file():
         raise SystemExit(f"{path}: no measured inputs; run with --measure first")
@@ -119,14 +146,15 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def inputs_table(raw: dict, workloads: list[Workload]) -> str:
+def inputs_table(raw: dict, workloads: list[Workload], overrides: dict[str, float]) -> str:
     rows = []
     for w in workloads:
         c1 = w.compressed.get(0.01)
         c01 = w.compressed.get(0.001)
         load = raw["workloads"][w.name]["compute"]["passes"][0]["forward"]
         rows.append([
-            w.name, f"{w.numel:,}", fmt_bytes(w.dense_bytes), fmt_s(w.bag_s) + " s",
+            w.name, f"{w.numel:,}", fmt_bytes(w.dense_bytes),
+            fmt_s(w.bag_s) + (" s (what-if)" if w.name in overrides else " s"),
             f"{min(s['load1'] for s in load):.1f}-{max(s['load1'] for s in load):.1f}",
             f"{w.optimizer_s * 1e3:.1f} ms", f"{w.dense_add_s * 1e3:.2f} ms",
             fmt_bytes(c1.payload_bytes) if c1 else "-", fmt_bytes(c01.payload_bytes) if c01 else "-",
@@ -160,10 +188,12 @@ def saturation_table(workloads: list[Workload], batch: int, methods: list[str]) 
             s = Scenario(1, batch, link)
             cells = []
             for m in methods:
+                net = exchange_limit_workers(w, m, s, ALL_WORKERS, part="comm")
                 limit = exchange_limit_workers(w, m, s, ALL_WORKERS)
                 best = fastest_workers(w, m, s, ALL_WORKERS)
                 t = predict(w, m, Scenario(best, batch, link)).total
-                cells.append(f"{'-' if limit is None else limit} / {best} ({fmt_s(t)} s)")
+                dash = lambda p: "-" if p is None else str(p)  # noqa: E731
+                cells.append(f"{dash(net)} / {dash(limit)} / {best} ({fmt_s(t)} s)")
             rows.append([w.name, link.name] + cells)
     return markdown(["workload", "link"] + [LABELS[m] for m in methods], rows)
 
@@ -217,15 +247,22 @@ def plot(workloads: list[Workload], batch: int, methods: list[str], path: Path) 
     plt.close(fig)
 
 
-def report(raw: dict, workloads: list[Workload], batch: int, methods: list[str]) -> str:
+def report(raw: dict, workloads: list[Workload], batch: int, methods: list[str],
+           overrides: dict[str, float]) -> str:
     parts = [f"Inputs measured {raw['measured_at']} on {raw['machine']}"
-             f"{' (--quick)' if raw.get('quick') else ''}.", "", inputs_table(raw, workloads), ""]
+             f"{' (--quick)' if raw.get('quick') else ''}.", ""]
+    if overrides:
+        parts += ["**What-if, not a measurement:** forward + backward per bag set to "
+                  + ", ".join(f"{s:g} s for {n}" for n, s in overrides.items())
+                  + " (--bag-seconds); every other input as measured.", ""]
+    parts += [inputs_table(raw, workloads, overrides), ""]
     for w in workloads:
         parts += [f"### {w.name}: predicted s/step, B = {batch} bags per step", "",
                   step_table(w, batch, methods), ""]
     parts += [f"### Where the master's link saturates (B = {batch})", "",
-              "Each cell: smallest P whose exchange exceeds 10 % of compute / P with the smallest s/step "
-              "(that s/step); '-': never within P <= 64.", "",
+              "Each cell: smallest P whose network time (the master's link for DPGS, the workers' for DDP) "
+              "exceeds 10 % of compute / smallest P whose whole exchange (network, codec, sums, optimizer) "
+              "does / P with the smallest s/step (that s/step); '-': none within P <= 64.", "",
               saturation_table(workloads, batch, methods), "",
               f"### What to pick (B = {batch})", "", pick_table(workloads, batch)]
     return "\n".join(parts)
@@ -241,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads while measuring")
     ap.add_argument("--batch", type=int, default=64, help="bags per optimizer step")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--bag-seconds", nargs="*", default=[], metavar="NAME=SECONDS",
+                    help="what-if: a workload's forward + backward per bag (e.g. measured on a GPU)")
     ap.add_argument("--out", type=Path, help="write the markdown report here too")
     ap.add_argument("--plot", type=Path, help="PNG of predicted s/step against P")
     ap.add_argument("--loopback", action="store_true", help="check the exchange terms with real processes")
@@ -263,10 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         args.inputs.write_text(json.dumps(raw, indent=1) + "\n")
         print(f"wrote {args.inputs}")
     raw, workloads = load_inputs(args.inputs)
+    overrides = parse_overrides(args.bag_seconds, workloads)
+    workloads = [with_bag_seconds(w, overrides[w.name]) if w.name in overrides else w for w in workloads]
     for w in workloads:
         for m in methods:
             predict(w, m, Scenario(2, args.batch, LINKS[0]))  # unknown methods fail before any output
-    text = report(raw, workloads, args.batch, methods)
+    text = report(raw, workloads, args.batch, methods, overrides)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -331,11 +331,15 @@ def predict(w: Workload, method: str, s: Scenario) -> Step:
 
 
 def exchange_limit_workers(w: Workload, method: str, scenario: Scenario, ps: list[int],
-                           share: float = 0.10) -> int | None:
-    """The smallest P of ``ps`` whose exchange exceeds ``share`` of its compute (None: none does)."""
+                           share: float = 0.10, part: str = "exchange") -> int | None:
+    """The smallest P of ``ps`` whose ``part`` of the step exceeds ``share`` of its compute (None: none
+    does). ``part``: ``exchange`` (everything but compute) or ``comm`` (the network alone: the master's
+    link for DPGS, the workers' links for DDP)."""
+    if part not in ("exchange", "comm"):
+        raise ValueError(f"part must be exchange or comm, got {part!r}")
     for p in ps:
         step = predict(w, method, _with_workers(scenario, p))
-        if step.exchange > share * step.compute:
+        if getattr(step, part) > share * step.compute:
             return p
     return None
 

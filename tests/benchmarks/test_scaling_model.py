@@ -122,6 +122,9 @@ def test_saturation_and_fastest_workers_by_hand():
     # 4.474, P = 22 gives 3 + 1.734 = 4.734, P = 64 gives 1 + 4.842; the minimum is P = 32.
     assert fastest_workers(workload(), "dpgs-dense", s, list(range(1, 65))) == 32
     assert exchange_limit_workers(workload(), "dpgs-dense", s, [1, 2], share=10.0) is None
+    # The network alone, 0.006 + 0.064 P against 0.1 ceil(64 / P): P = 10 gives 0.646 <= 0.7, P = 11
+    # gives 0.71 > 0.6.
+    assert exchange_limit_workers(workload(), "dpgs-dense", s, list(range(1, 65)), part="comm") == 11
 
 
 def test_unknown_method_and_keep_are_refused():
