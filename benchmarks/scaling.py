@@ -56,6 +56,7 @@ METHODS = ["dpgs-dense", "dpgs-keep0.01", "dpgs-keep0.001", "dpgs-keep0.01-delta
            "ddp", "ddp-powersgd"]
 TABLE_WORKERS = [2, 3, 4, 8, 16, 32, 64]
 ALL_WORKERS = list(range(1, 65))
+PLOT_WORKERS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 LABELS = {"dpgs-dense": "DPGS dense", "dpgs-keep0.01": "DPGS keep 1 %", "dpgs-keep0.001": "DPGS keep 0.1 %",
           "dpgs-keep0.01-delta": "DPGS keep 1 %, delta downlink",
           "dpgs-keep0.01-merged": "DPGS keep 1 %, merged downlink (not in dpgs)", "ddp": "DDP",
@@ -88,11 +89,11 @@ def workload_from(data: dict) -> Workload:
 
 
 def with_bag_seconds(w: Workload, seconds: float) -> Workload:
-    """``w`` with one bag's forward + backward set to ``seconds`` (split as measured, no pass cost): a
-    what-if for compute measured elsewhere; every other input stays as measured."""
+    """A what-if copy of ``w`` (named so) with one bag's forward + backward set to ``seconds`` (split as
+    measured, no pass cost), for compute measured elsewhere; every other input stays as measured."""
     share = w.bag_forward_s / w.bag_s
-    return dataclasses.replace(w, bag_forward_s=seconds * share, bag_backward_s=seconds * (1 - share),
-                               pass_s=0.0)
+    return dataclasses.replace(w, name=f"{w.name}, what-if {seconds:g} s/bag", bag_forward_s=seconds * share,
+                               bag_backward_s=seconds * (1 - share), pass_s=0.0)
 
 
 def parse_overrides(items: list[str], workloads: list[Workload]) -> dict[str, float]:
@@ -146,7 +147,7 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def inputs_table(raw: dict, workloads: list[Workload], overrides: dict[str, float]) -> str:
+def inputs_table(raw: dict, workloads: list[Workload]) -> str:
     rows = []
     for w in workloads:
         c1 = w.compressed.get(0.01)
@@ -154,7 +155,7 @@ def inputs_table(raw: dict, workloads: list[Workload], overrides: dict[str, floa
         load = raw["workloads"][w.name]["compute"]["passes"][0]["forward"]
         rows.append([
             w.name, f"{w.numel:,}", fmt_bytes(w.dense_bytes),
-            fmt_s(w.bag_s) + (" s (what-if)" if w.name in overrides else " s"),
+            fmt_s(w.bag_s) + " s",
             f"{min(s['load1'] for s in load):.1f}-{max(s['load1'] for s in load):.1f}",
             f"{w.optimizer_s * 1e3:.1f} ms", f"{w.dense_add_s * 1e3:.2f} ms",
             fmt_bytes(c1.payload_bytes) if c1 else "-", fmt_bytes(c01.payload_bytes) if c01 else "-",
@@ -179,6 +180,20 @@ def step_table(w: Workload, batch: int, methods: list[str]) -> str:
             rows.append(["", LABELS[m]] + [fmt_s(predict(w, m, Scenario(p, batch, link)).total)
                                             for p in TABLE_WORKERS])
     return markdown(["link", "method"] + [f"P={p}" for p in TABLE_WORKERS], rows)
+
+
+SUMMARY_METHODS = ["dpgs-dense", "dpgs-keep0.01", "ddp"]
+
+
+def summary_table(workloads: list[Workload], batch: int) -> str:
+    """One row per workload and link: s/step of dense DPGS / DPGS keep 1 % / DDP for each P."""
+    rows = []
+    for w in workloads:
+        for link in LINKS:
+            rows.append([w.name, link.name] + [
+                " / ".join(fmt_s(predict(w, m, Scenario(p, batch, link)).total) for m in SUMMARY_METHODS)
+                for p in TABLE_WORKERS])
+    return markdown(["workload", "link"] + [f"P={p}" for p in TABLE_WORKERS], rows)
 
 
 def saturation_table(workloads: list[Workload], batch: int, methods: list[str]) -> str:
@@ -225,40 +240,44 @@ def plot(workloads: list[Workload], batch: int, methods: list[str], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(workloads), len(LINKS), figsize=(4 * len(LINKS), 3.6 * len(workloads)),
-                             squeeze=False)
+    height = 3.2 * len(workloads) + 0.8
+    fig, axes = plt.subplots(len(workloads), len(LINKS), figsize=(3.6 * len(LINKS), height), squeeze=False)
+    ps = PLOT_WORKERS
     for row, w in zip(axes, workloads, strict=True):
         for ax, link in zip(row, LINKS, strict=True):
-            comp = [predict(w, "dpgs-dense", Scenario(p, batch, link)).compute for p in ALL_WORKERS]
-            ax.plot(ALL_WORKERS, comp, color="0.6", ls=":", label="compute only")
+            comp = [predict(w, "dpgs-dense", Scenario(p, batch, link)).compute for p in ps]
+            ax.plot(ps, comp, color="0.5", ls=":", lw=2, label="compute only")
             for m in methods:
-                ax.plot(ALL_WORKERS, [predict(w, m, Scenario(p, batch, link)).total for p in ALL_WORKERS],
+                ax.plot(ps, [predict(w, m, Scenario(p, batch, link)).total for p in ps], marker=".",
                         label=LABELS[m], ls="--" if m.endswith("merged") or m.endswith("delta") else "-")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_title(f"{w.name}, {link.name}", fontsize=9)
-            ax.set_xlabel("workers P")
+            ax.set_title(f"{w.name}\n{link.name}", fontsize=8)
+            ax.set_xlabel("workers P", fontsize=8)
+            ax.tick_params(labelsize=7)
             ax.grid(True, which="both", alpha=0.3)
-        row[0].set_ylabel(f"predicted s/step (B={batch})")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+        row[0].set_ylabel(f"predicted s/step (B={batch})", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.6 / height, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def report(raw: dict, workloads: list[Workload], batch: int, methods: list[str],
-           overrides: dict[str, float]) -> str:
+def report(raw: dict, measured: list[Workload], whatifs: list[Workload], batch: int,
+           methods: list[str]) -> str:
+    workloads = measured + whatifs
     parts = [f"Inputs measured {raw['measured_at']} on {raw['machine']}"
-             f"{' (--quick)' if raw.get('quick') else ''}.", ""]
-    if overrides:
-        parts += ["**What-if, not a measurement:** forward + backward per bag set to "
-                  + ", ".join(f"{s:g} s for {n}" for n, s in overrides.items())
-                  + " (--bag-seconds); every other input as measured.", ""]
-    parts += [inputs_table(raw, workloads, overrides), ""]
+             f"{' (--quick)' if raw.get('quick') else ''}.", "", inputs_table(raw, measured), ""]
+    if whatifs:
+        parts += ["**What-if rows are not measurements:** their forward + backward per bag is set by "
+                  "--bag-seconds; every other input is as measured.", ""]
     for w in workloads:
         parts += [f"### {w.name}: predicted s/step, B = {batch} bags per step", "",
                   step_table(w, batch, methods), ""]
+    parts += [f"### Summary: predicted s/step of DPGS dense / DPGS keep 1 % / DDP (B = {batch})", "",
+              summary_table(workloads, batch), ""]
     parts += [f"### Where the master's link saturates (B = {batch})", "",
               "Each cell: smallest P whose network time (the master's link for DPGS, the workers' for DDP) "
               "exceeds 10 % of compute / smallest P whose whole exchange (network, codec, sums, optimizer) "
@@ -303,17 +322,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.inputs}")
     raw, workloads = load_inputs(args.inputs)
     overrides = parse_overrides(args.bag_seconds, workloads)
-    workloads = [with_bag_seconds(w, overrides[w.name]) if w.name in overrides else w for w in workloads]
+    whatifs = [with_bag_seconds(w, overrides[w.name]) for w in workloads if w.name in overrides]
     for w in workloads:
         for m in methods:
             predict(w, m, Scenario(2, args.batch, LINKS[0]))  # unknown methods fail before any output
-    text = report(raw, workloads, args.batch, methods, overrides)
+    text = report(raw, workloads, whatifs, args.batch, methods)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     if args.plot:
-        plot(workloads, args.batch, methods, args.plot)
+        plot(workloads + whatifs, args.batch, methods, args.plot)
         print(f"wrote {args.plot}")
     if args.loopback:
         from scaling_loopback import run_checks

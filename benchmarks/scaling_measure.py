@@ -2,8 +2,9 @@
 
 For each workload it measures, with the 1-minute load average beside every timed sample:
 
-* **compute**: forward and backward of one packed pass over n bags, for a few n (a straight-line fit
-  ``pass + n * bag`` for the heads; tile bags are one encoder pass each, so n = 1 is measured);
+* **compute**: forward and backward of one packed pass over n bags, for a few n, fitted as a straight
+  line in the pass's instances ``pass + instances * per_instance``; one bag costs ``per_instance`` times
+  the mean bag length of the data (tile bags: one encoder pass per bag, so one bag is timed);
 * **dense costs** on the real parameter vector: the worker's message up built (``contribution``), one
   dense gradient added on the master, weights loaded on a worker, one Adam step (``Replica.step``);
 * **compression**, from a short DPGS run in one process on real bags (``P_max`` workers with one bag
@@ -82,6 +83,7 @@ class Source:
     timing_bags: Callable[[int], list[Bag]]  # n bags for a packed timing pass
     real_bags: Callable[[int], list[Bag]]  # n distinct real bags
     pass_sizes: tuple[int, ...]  # bags per timed packed pass
+    mean_instances: float  # mean bag length of the data the model is predicted for
 
 
 def tile_source(work: Path, tiles: int, px: int, union_tiles: int, seed: int = 0) -> Source:
@@ -123,11 +125,13 @@ def tile_source(work: Path, tiles: int, px: int, union_tiles: int, seed: int = 0
     return Source("tiles-resnet18",
                   f"ResNet-18 (dense) + ABMIL end to end, {tiles} tiles of {px}x{px} per bag (compression "
                   f"overlap on real {union_tiles}-tile bags of synthetic slides)",
-                  build, timing_bags, real_bags, (1,))
+                  build, timing_bags, real_bags, (1,), float(tiles))
 
 
 def feature_source(work: Path, bags: int = 200, seed: int = 0) -> Source:
     """ABMIL head (64-d digit features, the demo data: log-normal bag lengths, median 24)."""
+    import h5py
+
     from dpgs.data import write_demo_data
 
     manifest = write_demo_data(work / "demo", bags=bags, seed=seed)
@@ -135,8 +139,6 @@ def feature_source(work: Path, bags: int = 200, seed: int = 0) -> Source:
     rows = [line.split(",") for line in manifest.read_text().splitlines()[1:]]
 
     def read(i: int) -> Bag:
-        import h5py
-
         slide, label = rows[i % len(rows)][0], int(rows[i % len(rows)][1])
         with h5py.File(features / f"{slide}.h5") as h5:
             return Bag(torch.from_numpy(h5["features"][:]), label)
@@ -145,9 +147,13 @@ def feature_source(work: Path, bags: int = 200, seed: int = 0) -> Source:
         torch.manual_seed(seed)
         return build_head("abmil", in_dim=64, num_classes=2)
 
+    lengths = []
+    for row in rows:
+        with h5py.File(features / f"{row[0]}.h5") as h5:
+            lengths.append(h5["features"].shape[0])
     return Source("features-abmil", "ABMIL head on the demo feature bags (64-d, median 24 instances)", build,
                   lambda n: [read(i) for i in range(n)], lambda n: [read(i) for i in range(n)],
-                  (1, 4, 16, 64))
+                  (1, 4, 16, 64), float(np.mean(lengths)))
 
 
 def loss_of(model: torch.nn.Module, bags: list[Bag]) -> torch.Tensor:
@@ -163,7 +169,8 @@ def gradient(model: torch.nn.Module, bags: list[Bag]) -> torch.Tensor:
 
 
 def measure_compute(source: Source, model: torch.nn.Module, repeats: int) -> dict:
-    """Forward and backward seconds per packed pass of n bags, and the fit ``pass + n * bag``."""
+    """Forward and backward seconds per packed pass of n bags, the fit ``pass + instances *
+    per_instance`` of each, and one mean bag's share (``bag_forward_s``, ``bag_backward_s``)."""
     model.train()
     passes = []
     for n in source.pass_sizes:
@@ -179,19 +186,24 @@ def measure_compute(source: Source, model: torch.nn.Module, repeats: int) -> dic
             end = time.perf_counter()
             fwd.append({"s": mid - start, "load1": load1()})
             bwd.append({"s": end - mid, "load1": load1()})
-        passes.append({"bags": n, "forward": fwd, "backward": bwd,
-                       "forward_s": median(fwd), "backward_s": median(bwd)})
+        passes.append({"bags": n, "instances": sum(int(b.x.shape[0]) for b in bags), "forward": fwd,
+                       "backward": bwd, "forward_s": median(fwd), "backward_s": median(bwd)})
     fit = {}
     for part in ("forward", "backward"):
-        xs = [p["bags"] for p in passes]
+        xs = [p["instances"] for p in passes]
         ys = [p[f"{part}_s"] for p in passes]
         if len(xs) == 1:
             fit[part] = (0.0, ys[0] / xs[0])
         else:
             slope, intercept = np.polyfit(xs, ys, 1)
-            fit[part] = (max(0.0, float(intercept)), float(slope))
-    return {"passes": passes, "pass_s": fit["forward"][0] + fit["backward"][0],
-            "bag_forward_s": fit["forward"][1], "bag_backward_s": fit["backward"][1]}
+            if intercept < 0:  # a line through the origin instead
+                slope, intercept = float(np.dot(xs, ys) / np.dot(xs, xs)), 0.0
+            fit[part] = (float(intercept), float(slope))
+    return {"passes": passes, "mean_instances": source.mean_instances,
+            "pass_s": fit["forward"][0] + fit["backward"][0],
+            "per_instance_forward_s": fit["forward"][1], "per_instance_backward_s": fit["backward"][1],
+            "bag_forward_s": fit["forward"][1] * source.mean_instances,
+            "bag_backward_s": fit["backward"][1] * source.mean_instances}
 
 
 def measure_dense(model: torch.nn.Module, grad: torch.Tensor, repeats: int) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 MTU = 1500
@@ -28,15 +29,21 @@ def setup_namespace(rate_bps: float | None) -> None:
 
 
 def run_in_namespace(script: Path, spec: dict, timeout_s: float = 3600) -> dict:
-    """The JSON ``script --inside spec`` prints last, run in a new network namespace."""
+    """The JSON ``script --inside spec`` prints last, run in a new network namespace; the child's
+    stderr goes to a log file named in the error when it fails."""
     cmd = ["unshare", "--net", "--", sys.executable, str(script), "--inside", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=script.parent, timeout=timeout_s)
-    except subprocess.TimeoutExpired as err:
-        raise RuntimeError(f"{script.name} in a network namespace took more than {timeout_s:.0f} s") from err
-    if proc.returncode != 0:
-        raise RuntimeError(f"{script.name} in a network namespace failed ({proc.returncode}):\n"
-                           f"{proc.stderr[-3000:]}")
+    with tempfile.NamedTemporaryFile("w+", prefix=f"{script.stem}-", suffix=".log", delete=False) as log:
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=script.parent,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired as err:
+            raise RuntimeError(f"{script.name} in a network namespace took more than {timeout_s:.0f} s "
+                               f"(its stderr: {log.name})") from err
+        if proc.returncode != 0:
+            log.seek(0)
+            raise RuntimeError(f"{script.name} in a network namespace failed ({proc.returncode}); its stderr "
+                               f"is in {log.name}, ending:\n{log.read()[-3000:]}")
+    Path(log.name).unlink()
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
