@@ -268,7 +268,9 @@ def plot(workloads: list[Workload], batch: int, methods: list[str], path: Path) 
 def report(raw: dict, measured: list[Workload], whatifs: list[Workload], batch: int,
            methods: list[str]) -> str:
     workloads = measured + whatifs
-    parts = [f"Inputs measured {raw['measured_at']} on {raw['machine']}"
+    parts = ["# Scaling model: every predicted figure (`benchmarks/scaling.py`, the maths in "
+             "[../scaling.md](../scaling.md))", "",
+             f"Inputs measured {raw['measured_at']} on {raw['machine']}"
              f"{' (--quick)' if raw.get('quick') else ''}.", "", inputs_table(raw, measured), ""]
     if whatifs:
         parts += ["**What-if rows are not measurements:** their forward + backward per bag is set by "

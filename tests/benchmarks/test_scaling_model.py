@@ -140,3 +140,30 @@ def test_lab_link_names():
     assert link_rate("loopback") is None
     with pytest.raises(ValueError, match="expected loopback or a rate"):
         link_rate("fast")
+
+
+def test_lab_rows_predicted_from_their_own_compute_or_loopback(tmp_path):
+    import json
+
+    from scaling_lab import compare_lab
+
+    rows = [
+        # With compute_s: 1.5 + cpu 0.12 (0.02 + 2 x 0.01 + 0.05 + 0.03) + comm (2 phases of 2 x 4 MB at
+        # 100 Mbit/s x 1448/1514, 6 x 1 ms).
+        {"workload": "toy", "link": "100mbit", "method": "dpgs-dense", "workers": 2, "step_s": 2.0,
+         "compute_s": 1.5, "wire_bytes_per_step": None},
+        # Without: the loopback row's 1.25 s plus the same comm.
+        {"workload": "toy", "link": "loopback", "method": "dpgs-dense", "workers": 2, "step_s": 1.25},
+        {"workload": "toy", "link": "100 Mbps", "method": "dpgs-dense", "workers": 2, "step_s": 2.5},
+    ]
+    path = tmp_path / "bandwidth.json"
+    path.write_text(json.dumps(rows))
+    comm = 2 * 8 * 2 * 4e6 / (100e6 * 1448 / 1514) + 0.006
+    table = compare_lab(path, [workload()], default_workers=2)
+    lines = table.splitlines()[2:]
+    own = 1.5 + 0.12 + comm
+    assert f"| {own:.3f} | {100 * (own / 2.0 - 1):+.0f} % | lab compute" in lines[0]
+    assert f"| {1.25 + comm:.3f} | {100 * ((1.25 + comm) / 2.5 - 1):+.0f} % | lab loopback" in lines[2]
+    path.write_text(json.dumps([{"workload": "toy", "link": "100mbit"}]))
+    with pytest.raises(SystemExit, match="row 0 lacks method, step_s"):
+        compare_lab(path, [workload()], default_workers=2)
