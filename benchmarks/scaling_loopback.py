@@ -1,5 +1,5 @@
 """Check the scaling model's exchange terms with real processes: P workers and a master exchanging the real
-message sizes over dpgs's own ``GlooChannel`` (``dpgs.distributed.channel``) on 127.0.0.1.
+message sizes over dpgs's own ``GlooChannel`` (``dpgs.distributed.gloo``) on 127.0.0.1.
 
 Each check runs in a private network namespace (``scaling_netns``) whose loopback has the lab's MTU
 (1500) and, for the shaped checks, a tc ``tbf`` qdisc at 100 Mbit/s or 1 Gbit/s. All P + 1 processes
@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, port: int, up: int, down: int, rounds: int, res
     """One process of the exchange (rank 0 the master)."""
     import torch
 
-    from dpgs.distributed.channel import GlooChannel
+    from dpgs.distributed.gloo import GlooChannel
 
     torch.set_num_threads(1)
     channel = GlooChannel(rank, world, ("127.0.0.1", port), timeout_s=600.0)

@@ -8,7 +8,7 @@ For each workload it measures, with the 1-minute load average beside every timed
 * **dense costs** on the real parameter vector: the worker's message up built (``contribution``), one
   dense gradient added on the master, weights loaded on a worker, one Adam step (``Replica.step``);
 * **compression**, from a short DPGS run in one process on real bags (``P_max`` workers with one bag
-  each per step, each with its own ``GradientEncoder``, error feedback on; the master steps Adam on the
+  each per step, each with its own ``Uplink``, error feedback on; the master steps Adam on the
   mean gradient and encodes a ``downlink=delta`` weight delta): payload bytes, encode and decode+add
   seconds, and the union of the workers' top-k index sets for P = 1..P_max, fitted as
   ``k * P ** beta``; the sum of the first P payloads is encoded with the real codec (fp16 values over
@@ -31,12 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpgs.compression import KIND_GRADIENT, decode
+from dpgs.compression import KIND_GRADIENT, ParamLayout, decode
 from dpgs.compression import wire as dmgc_wire
 from dpgs.compression.dtypes import get_value_dtype, to_bits
 from dpgs.config.schema import CompressionConfig, TrainConfig
-from dpgs.distributed.codec import DeltaEncoder, GradientDecoder, GradientEncoder
+from dpgs.distributed.codec import DeltaDownlink, Uplink
 from dpgs.distributed.flat import flat_grads
+from dpgs.distributed.frames import as_part
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import contribution
 from dpgs.models import build_head
@@ -209,6 +210,7 @@ def measure_compute(source: Source, model: torch.nn.Module, repeats: int) -> dic
 def measure_dense(model: torch.nn.Module, grad: torch.Tensor, repeats: int) -> dict:
     """Dense-path costs on the real parameter vector and the Adam step (``dpgs.distributed``)."""
     replica = Replica(model, TrainConfig(optimizer="adam"))
+    replica.restart(model.state_dict(), with_optimizer=True)
     buffers = replica.flat_buffers()
     total = grad.clone()
     state = torch.cat([replica.flat_params()] + ([] if buffers is None else [buffers.float()]))
@@ -260,15 +262,16 @@ def measure_compression(source: Source, model: torch.nn.Module, workers: int, st
     """The short one-process DPGS run of the module docstring (``workers`` x ``steps`` distinct bags)."""
     bags = source.real_bags(workers * steps)
     replica = Replica(model, TrainConfig(optimizer="adam"))
+    replica.restart(model.state_dict(), with_optimizer=True)
     numel = replica.numel
-    configs = {keep: CompressionConfig(keep_ratio=keep, warmup_epochs=0) for keep in KEEPS}
-    encoders = {keep: [GradientEncoder(cfg, model) for _ in range(workers)] for keep, cfg in configs.items()}
-    decoders = {keep: GradientDecoder(cfg, numel) for keep, cfg in configs.items()}
-    deltas = {keep: DeltaEncoder(cfg) for keep, cfg in configs.items()}
+    cfg = CompressionConfig(keep_ratio=KEEPS[0], warmup_epochs=0)
+    layout = ParamLayout.from_module(model, dense_min_numel=cfg.dense_min_numel)
+    encoders = {keep: [Uplink(cfg, layout) for _ in range(workers)] for keep in KEEPS}
+    decoders = {keep: Uplink(cfg, layout) for keep in KEEPS}
+    deltas = {keep: DeltaDownlink(cfg) for keep in KEEPS}
     for encoder in deltas.values():
-        encoder.start(replica.flat_params(), 0)
-    layout = encoders[KEEPS[0]][0].layout
-    ranges = layout.with_dense_min_numel(configs[KEEPS[0]].dense_min_numel).dense_ranges()
+        encoder.restart(replica.flat_params(), 0)
+    ranges = layout.with_dense_min_numel(cfg.dense_min_numel).dense_ranges()
     records = {keep: {"payload_bytes": [], "entries": [], "encode": [], "decode_add": [], "delta_bytes": [],
                       "delta_encode": [], "union": []} for keep in KEEPS}
     model.train()
@@ -282,13 +285,13 @@ def measure_compression(source: Source, model: torch.nn.Module, workers: int, st
             payloads = []
             for w, g in enumerate(grads):
                 start = time.perf_counter()
-                payload, stats = encoders[keep][w].encode(g, keep)
+                payload = encoders[keep][w].encode(g, keep)
                 rec["encode"].append({"s": time.perf_counter() - start, "load1": load1()})
                 rec["payload_bytes"].append(len(payload))
-                rec["entries"].append(stats.count)
+                rec["entries"].append(encoders[keep][w].compressor.last_stats.count)
                 payloads.append(payload)
                 start = time.perf_counter()
-                decoders[keep].sum_into(torch.zeros(numel), [payload], [1])
+                decoders[keep].sum_into(torch.zeros(numel), [as_part(payload)], [1], keep)
                 rec["decode_add"].append({"s": time.perf_counter() - start, "load1": load1()})
             sparse = []
             for p in payloads:
