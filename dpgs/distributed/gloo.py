@@ -4,11 +4,17 @@ inside the Ray actors (TCP between the processes; neither Ray nor the driver is 
 A gloo send completes only once the receiver has posted its receive, so the master always takes what
 live workers send (it never leaves one blocked in a send); see ``dpgs.distributed.transport`` for the
 contract and its faults.
+
+Addresses: every rank binds its gloo device to its Ray node's address (:func:`local_address`), the
+address the other nodes reach it at. (gloo's default resolves the host name, and where that name does not
+resolve to the host's address, as with Ubuntu's ``127.0.1.1 <hostname>`` line, it binds to loopback and
+the group cannot form across machines.)
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from typing import Any
 
@@ -21,31 +27,49 @@ _SIZE_TAG, _BODY_TAG = 0, 1
 ABORT_SIZE = -1  # sent down instead of a message size: give up this exchange
 
 
+def local_address(peer: str) -> str:
+    """The address this process is reached at: its Ray node's address in a Ray process, else the source
+    address of its route to ``peer``."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))  # no packet is sent: this only picks the route
+        return s.getsockname()[0]
+
+
 class GlooChannel:
     """A gloo process group; the master's process hosts the rendezvous store.
 
-    Each message is an int64 size (``ABORT_SIZE`` for an abort) followed by the body. Every wait is bounded by
-    ``timeout_s`` (gloo's deadline).
+    Each message is an int64 size (``ABORT_SIZE`` for an abort) followed by the body. Joining (the store,
+    then gloo's connections) ends within ``JOIN_TIMEOUT_S`` (then ChannelBroken: the rank is free to join
+    another group); every later wait is bounded by ``timeout_s``.
     """
 
     def __init__(self, rank: int, world: int, address: tuple[str, int], timeout_s: float):
         self.rank, self.world = rank, world
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         host, port = address
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         try:
+            here = local_address(host)
             self._store = dist.TCPStore(
                 host, port, world, rank == MASTER_RANK, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S)
             )
-            self._group = dist.ProcessGroupGloo(
-                self._store, rank, world, datetime.timedelta(seconds=timeout_s)
-            )
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=here)]
+            options._timeout = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+            self._group = dist.ProcessGroupGloo(self._store, rank, world, options)
         except (RuntimeError, ValueError, OSError) as err:
+            self._store = None  # the master's store goes now, not when the exception is collected
             raise ChannelBroken(f"rank {rank}: cannot join the gloo group at {host}:{port}: {err}") from err
         self.dead: set[int] = set()  # ranks whose connection failed (the master sends them nothing more)
         self.arrivals: list[float] = []  # when each worker's message of the last timed gather arrived
 
     def _wait(self, work, peer: int, what: str) -> None:
         try:
-            work.wait()
+            work.wait(self.timeout)  # the group's own deadline is the join's
         except RuntimeError as err:
             self.dead.add(peer)
             raise ChannelBroken(f"rank {self.rank}: {what} with rank {peer} failed: {err}") from err

@@ -113,7 +113,9 @@ def worker_resources(cfg: DpgsConfig, train_device: str) -> WorkerResources:
     resources = ray.cluster_resources()
     total_cpus = float(resources.get("CPU", 1.0))
     total_gpus = float(resources.get("GPU", 0.0))
-    node_cpus = [float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n["Alive"]] or [1.0]
+    # nodes without CPUs (a head started with --num-cpus=0) host no workers
+    node_cpus = [c for n in ray.nodes() if n["Alive"] and (c := float(n["Resources"].get("CPU", 0.0))) > 0]
+    node_cpus = node_cpus or [1.0]
     per_node = math.ceil(cfg.workers / len(node_cpus))  # workers spread evenly over the nodes
     cpus = cfg.cpus_per_worker or max(min(total_cpus / cfg.workers, min(node_cpus) / per_node), 0.01)
     use_gpu = train_device != "cpu" and total_gpus > 0
