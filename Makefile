@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpgs-installed
 
-.PHONY: install test test-slow demo demo-tiles lint clean
+.PHONY: install test test-slow cluster-test demo demo-tiles lint clean
 
 install: $(STAMP)
 
@@ -48,6 +48,11 @@ demo-tiles: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# The multi-host lab (as root): a head and two worker hosts in Linux namespaces on this machine, `ray up`
+# with configs/cluster.yaml, DPGS training on it, network faults, `ray down` (tests/lab/, docs/cluster.md).
+cluster-test: $(STAMP)
+	$(PY) -m tests.lab.cluster_test
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dpgs master workers tests benchmarks

@@ -3,7 +3,8 @@
 Without Docker, ``ray down`` runs ``ray stop`` on the head only (Ray's ``local`` provider stops nothing on
 the worker machines), and a worker's Ray does not end by itself: its raylet exits once the head's GCS has
 been unreachable for a minute, but its log monitor and agents keep running. The worker start commands of
-configs/cluster.yaml therefore start this watcher after ``ray start``: it connects to the head's GCS port
+configs/cluster.yaml therefore start this watcher (before ``ray start``, so that it also cleans up after a
+start that fails half-way): it connects to the head's GCS port
 every ``poll_s`` seconds and, once the port has been unreachable for ``grace_s`` seconds (a stopped or
 killed head, or a partition that long; Ray without GCS fault tolerance cannot rejoin a restarted head
 anyway), runs ``ray stop --force`` on this node and exits. One watcher per node: a second one started
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-LOCK = Path("/tmp/ray/dpgs-nodewatch.lock")
+LOCK = Path("/tmp/dpgs-nodewatch.lock")
 
 
 def reachable(host: str, port: int, timeout_s: float) -> bool:
