@@ -17,8 +17,9 @@ Steps (as root; ``python -m tests.image``):
    ``configs/demo-dpgs.yaml`` (DPGS on Ray, 2 workers), each MLflow run checked FINISHED;
 7. the daemon is stopped and checked gone (no process, no mount), also after a failure or Ctrl-C.
 
-The last line is ``image-test: ok, build <s> s, image <MB> MB, train packed <s> s, train dpgs <s> s``
-or ``image-test: FAILED: <why>`` (exit 1); ``image-test: refused: <why>`` (exit 2) when it cannot run
+The last line is ``image-test: ok, build <s> s, image <MB> MB, train packed <s> s (epoch <s> s), train
+dpgs <s> s (epoch <s> s); <image>`` (each run's whole command, and its one epoch with validation), or
+``image-test: FAILED: <why>`` (exit 1); ``image-test: refused: <why>`` (exit 2) when it cannot run
 here. ``CACHE`` is ``.image-cache`` (git-ignored; ``IMAGE_CACHE`` to move it).
 """
 
@@ -64,9 +65,11 @@ dpgs demo-data demo_data --bags 300 --seed 0 > /dev/null
 for run in packed:configs/demo.yaml dpgs:configs/demo-dpgs.yaml; do
   name=${run%%:*} config=${run#*:}
   start=$(now)
-  dpgs train --config "$config" train.epochs=1 train.output_dir="runs/image-$name"
+  dpgs train --config "$config" train.epochs=1 train.output_dir="runs/image-$name" 2>&1 | tee "$name.log"
   end=$(now)
-  echo "check: train $name $(elapsed "$start" "$end") s, run $(status "runs/image-$name/run.json")"
+  epoch=$(awk '$1 == "time_to_best_seconds" {printf "%.1f", $2}' "$name.log")
+  run=$(status "runs/image-$name/run.json")
+  echo "check: train $name $(elapsed "$start" "$end") s, epoch $epoch s, run $run"
 done
 """
 
@@ -144,21 +147,22 @@ def run_checks(daemon: PrivateDockerd, run_log: Path) -> dict[str, str]:
     return checks
 
 
-def verify(checks: dict[str, str]) -> tuple[float, float]:
-    """The packed and DPGS training seconds, after checking version, imports and FINISHED runs."""
+def verify(checks: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """``{mode: (seconds of the command, seconds to the end of the epoch's validation)}`` for packed and
+    dpgs, after checking the version, the imports and that both MLflow runs FINISHED."""
     version = checks.get("version", "")
     if version != f"dpgs {dpgs.__version__}":
         raise DockerdError(f"dpgs --version in the image: '{version}', expected 'dpgs {dpgs.__version__}'")
     if "imports" not in checks:
         raise DockerdError("the imports did not run in the image")
-    seconds = []
+    seconds = {}
     for mode in ("packed", "dpgs"):
         line = checks.get(f"train {mode}", "")
-        match = re.fullmatch(rf"{mode} ([\d.]+) s, run FINISHED", line)
+        match = re.fullmatch(rf"{mode} ([\d.]+) s, epoch ([\d.]+) s, run FINISHED", line)
         if not match:
             raise DockerdError(f"train {mode}: '{line}' (expected a FINISHED run)")
-        seconds.append(float(match.group(1)))
-    return seconds[0], seconds[1]
+        seconds[mode] = (float(match.group(1)), float(match.group(2)))
+    return seconds
 
 
 def _interrupt(signum, frame) -> None:
@@ -171,15 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default=os.environ.get("IMAGE_CACHE", str(ROOT / ".image-cache")))
     parser.add_argument("--torch-spec", default=os.environ.get("TORCH_SPEC", "torch==2.13.0"))
     args = parser.parse_args(argv)
-    cache = Path(args.cache).resolve()
-    signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run(Path(args.cache).resolve(), args.torch_spec)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(cache: Path, torch_spec: str) -> int:
+    """Steps 1-7 of the module docstring; the exit status (0 ok, 1 failed, 2 refused)."""
     try:
         if sys.platform != "linux":
             raise Refused("needs Linux")
         if os.geteuid() != 0:
             raise Refused("needs root (it installs docker.io with apt and starts its own dockerd)")
         ensure_packages()
-        wheels = ensure_wheels(cache / "wheels", args.torch_spec)
+        wheels = ensure_wheels(cache / "wheels", torch_spec)
         daemon = PrivateDockerd(cache / "docker")
         log(f"starting a private dockerd (data root {daemon.data_root})")
         try:
@@ -187,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
                 base, how = ensure_base_image(daemon, cache / "base" / "debian-bookworm-minbase.tar",
                                               cache / "debootstrap.log")
                 log(f"base image {base}: {how}")
-                build_s = build(daemon, base, wheels, args.torch_spec, cache / "build.log")
+                build_s = build(daemon, base, wheels, torch_spec, cache / "build.log")
                 size_mb = int(daemon.docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout) / 1e6
                 checks = run_checks(daemon, cache / "container.log")
-                packed_s, dpgs_s = verify(checks)
+                train_s = verify(checks)
         finally:
             left = daemon.leftovers()
             if left:
@@ -206,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("FAILED: interrupted (the private dockerd was stopped)")
         return 1
-    log(f"ok, build {build_s:.0f} s, image {size_mb:.0f} MB, train packed {packed_s:.1f} s, "
-        f"train dpgs {dpgs_s:.1f} s ({IMAGE}, {checks['imports'].split()[0]})")
+    trains = ", ".join(f"train {mode} {whole:.1f} s (epoch {epoch:.1f} s)"
+                       for mode, (whole, epoch) in train_s.items())
+    log(f"ok, build {build_s:.0f} s, image {size_mb:.0f} MB, {trains}; {IMAGE}")
     return 0
 
 
