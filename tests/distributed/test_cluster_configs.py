@@ -156,13 +156,20 @@ def test_setup_commands_have_a_torch_build_without_the_image(name):
     assert out == ["torch==9", "https://example.org/simple"]
 
 
+def final_stage() -> list[tuple[str, str]]:
+    """The steps of the image's own stage (from its ``FROM ${BASE_IMAGE}`` on)."""
+    steps = dockerfile()
+    return steps[steps.index(("FROM", "${BASE_IMAGE}")):]
+
+
 def test_dockerfile_builds_cuda_by_default_and_cpu_by_argument():
     steps = dockerfile()
     assert steps[0] == ("ARG", "BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04")
-    assert steps[1] == ("FROM", "${BASE_IMAGE}")
+    assert [rest for op, rest in steps if op == "FROM"] == ["scratch AS torch-wheels", "${BASE_IMAGE}"]
     docs = (ROOT / "docs" / "cluster.md").read_text()
     used = set(re.findall(r"--build-arg (\w+)=", docs))
-    assert used == {"BASE_IMAGE", "TORCH_INDEX_URL"} and used <= set(docker_args())
+    assert used == {"BASE_IMAGE", "TORCH_INDEX_URL", "TORCH_WHEELS"} and used <= set(docker_args())
+    assert docker_args()["TORCH_WHEELS"] == ""  # by default torch comes from TORCH_INDEX_URL
     env = next(rest for op, rest in steps if op == "ENV")
     assert "TORCH_SPEC=${TORCH_SPEC}" in env and "TORCH_INDEX_URL=${TORCH_INDEX_URL}" in env
 
@@ -185,8 +192,18 @@ def test_dockerfile_and_configs_install_like_the_readme():
     assert pins == {"torch==2.13.0"}
 
 
+def test_local_wheels_are_mounted_never_copied_into_the_image():
+    image = final_stage()
+    assert not any(op == "COPY" and "torch-wheels" in rest for op, rest in image)
+    torch = next(rest for op, rest in image if op == "RUN" and "$TORCH_SPEC" in rest)
+    assert torch.startswith("--mount=type=bind,from=torch-wheels,target=/wheels ")
+    assert "PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels" in torch  # set only when TORCH_WHEELS is given
+    ignored = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split()
+    assert {".venv", ".image-cache/base", ".image-cache/docker"} <= set(ignored)
+
+
 def test_dockerfile_installs_torch_before_copying_dpgs():
-    steps = dockerfile()
+    steps = final_stage()
     torch = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and "$TORCH_SPEC" in rest)
     first_copy = next(i for i, (op, _) in enumerate(steps) if op == "COPY")
     dpgs = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and rest.endswith("pip install ."))
