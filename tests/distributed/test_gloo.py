@@ -52,3 +52,42 @@ def test_messages_and_a_link_probe_over_gloo_between_processes():
     assert got["worker1"][0] == got["worker2"][0] == [0, 1, 2, 3, 4]
     assert probe.sizes == SIZES and probe.workers == 2
     assert all(0 < t < 30 for round_trips in probe.seconds for t in round_trips)
+
+
+def test_a_join_that_cannot_complete_frees_the_rank_within_the_join_deadline(monkeypatch):
+    """A worker whose master never forms the group (gloo bound to the wrong address, a firewall) used to
+    stay blocked for the whole exchange deadline (dpgs.call_timeout_s, 600 s by default), so the Ray
+    transport that the driver falls back to found it busy and timed out."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from dpgs.distributed import gloo
+    from dpgs.distributed.transport import ChannelBroken
+
+    monkeypatch.setattr(gloo, "JOIN_TIMEOUT_S", 3.0)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)  # a master that never joins
+    start = time.monotonic()
+    err: list = []
+
+    def join() -> None:
+        try:
+            GlooChannel(1, 2, ("127.0.0.1", port), timeout_s=600)
+        except ChannelBroken as e:
+            err.append(e)
+
+    t = threading.Thread(target=join)
+    t.start()
+    t.join(60)
+    took = time.monotonic() - start
+    del store
+    assert err and "cannot join the gloo group" in str(err[0])
+    assert took < 3.0 + 10, took
+
+
+def test_local_address_is_the_route_to_the_peer_outside_ray():
+    from dpgs.distributed.gloo import local_address
+
+    assert local_address("127.0.0.1") == "127.0.0.1"
