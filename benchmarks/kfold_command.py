@@ -1,7 +1,7 @@
 """A whole k-fold ``dpgs train`` command, timed as a user runs it: DPGS against packed mode.
 
     python benchmarks/kfold_command.py [--data musk1|musk2|synthetic] [--folds 10] [--epochs 40]
-        [--repeats 3] [--out FILE]
+        [--repeats 3] [--rows packed,auto,dense,keep1] [--out FILE]
 
 The data: the real MUSK1 (92 bags, 476 instances, 166 features) or MUSK2 (102 bags, 6598 instances) of
 UCI, read from a package registry's wheel (``benchmarks/musk_data.py``), or ``synthetic`` bags shaped like
@@ -67,6 +67,16 @@ def timed_command(manifest: Path, work: Path, name: str, folds: int, epochs: int
     return {"wall": wall, "acc": metric("cv_mean_test_acc"), "auc": metric("cv_mean_test_auc")}
 
 
+ROWS = {
+    "packed": ("packed (1 process)", ["train.mode=packed"]),
+    "auto": ("DPGS P=2 defaults (keep_ratio auto)", ["train.mode=dpgs", "dpgs.workers=2"]),
+    "dense": ("DPGS P=2 keep 100%", ["train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=1.0"]),
+    "keep1": ("DPGS P=2 keep 1%", ["train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=0.01",
+                                   "dpgs.compression.value_dtype=fp16",
+                                   "dpgs.compression.dense_min_numel=1024"]),
+}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", choices=["musk1", "musk2", "synthetic"], default="musk1")
@@ -74,15 +84,14 @@ def main(argv=None) -> int:
     p.add_argument("--folds", type=int, default=10)
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated, the first is the reference "
+                                                           "(default: %(default)s)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    runs = [
-        ("packed (1 process)", ["train.mode=packed"]),
-        ("DPGS P=2 defaults (keep_ratio auto)", ["train.mode=dpgs", "dpgs.workers=2"]),
-        ("DPGS P=2 keep 100%", ["train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=1.0"]),
-        ("DPGS P=2 keep 1%", ["train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=0.01",
-                              "dpgs.compression.value_dtype=fp16", "dpgs.compression.dense_min_numel=1024"]),
-    ]
+    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    if unknown:
+        p.error(f"unknown rows {unknown} (have {', '.join(ROWS)})")
+    runs = [ROWS[key] for key in args.rows.split(",")]
     results: dict[str, list[dict]] = {name: [] for name, _ in runs}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -7,12 +7,13 @@ had started would leave its processes behind.
 
 ``dpgs train`` therefore starts one small watcher (``python -m dpgs.runwatch``) connected by a pipe and
 tells it, line by line, which MLflow runs it starts (``run URI RUN_ID``), which of them it ended itself
-(``ended RUN_ID``) and which local Ray session it started (``session NAME``). The watcher ignores SIGINT
-and SIGTERM (the driver handles those itself) and waits for the pipe to close, which happens however the
-driver ends. Then, for every run the driver did not end whose store still exists (a deleted SQLite file
-is a store that is gone, not one to recreate) and that is still RUNNING, it marks it FAILED with the
-``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an abnormal end it also stops the
-processes of the local Ray session the driver had started (never those of a cluster joined with
+(``ended RUN_ID``), which local Ray session it started (``session NAME``) and, when it knows it is about
+to be ended abnormally, why (``reason TEXT``: recorded instead of the generic reason). The watcher ignores
+SIGINT and SIGTERM (the driver handles those itself) and waits for the pipe to close, which happens
+however the driver ends. Then, for every run the driver did not end whose store still exists (a deleted
+SQLite file is a store that is gone, not one to recreate) and that is still RUNNING, it marks it FAILED
+with the ``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an abnormal end it also
+stops the processes of the local Ray session the driver had started (never those of a cluster joined with
 ``--address``).
 """
 
@@ -61,6 +62,11 @@ class RunWatcher:
     def watch_ray_session(self, session_name: str) -> None:
         self._send(f"session {session_name}")
 
+    def run_failed(self, reason: str) -> None:
+        """The reason to record for runs the driver will not end itself (one line)."""
+        if self._proc is not None:
+            self._send(f"reason {' '.join(reason.split())}")
+
 
 WATCHER = RunWatcher()
 
@@ -80,8 +86,8 @@ def _ray_session_pids(session_name: str) -> list[int]:
     return pids
 
 
-def _end_runs(runs: list[tuple[str, str]]) -> int:
-    """Mark the runs still RUNNING as FAILED; returns how many."""
+def _end_runs(runs: list[tuple[str, str]], reason: str = REASON) -> int:
+    """Mark the runs still RUNNING as FAILED with ``reason``; returns how many."""
     from mlflow.tracking import MlflowClient
 
     ended = 0
@@ -92,7 +98,7 @@ def _end_runs(runs: list[tuple[str, str]]) -> int:
             client = MlflowClient(tracking_uri=uri)
             if client.get_run(run_id).info.status != "RUNNING":
                 continue
-            client.set_tag(run_id, TAG_ERROR, REASON)
+            client.set_tag(run_id, TAG_ERROR, reason)
             client.set_terminated(run_id, status="FAILED")
             ended += 1
         except Exception as err:  # noqa: BLE001 - a watcher reports, it never raises
@@ -105,6 +111,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     runs: list[tuple[str, str]] = []
     sessions: list[str] = []
+    reason = REASON
     for line in sys.stdin:  # until the driver's end of the pipe closes
         kind, _, rest = line.strip().partition(" ")
         if kind == "run":
@@ -114,8 +121,10 @@ def main() -> int:
             runs = [(uri, run_id) for uri, run_id in runs if run_id != rest]
         elif kind == "session":
             sessions.append(rest)
-    if _end_runs(runs):
-        print(f"dpgs train: error: {REASON}; its MLflow run was marked FAILED", file=sys.stderr, flush=True)
+        elif kind == "reason":
+            reason = rest
+    if _end_runs(runs, reason):
+        print(f"dpgs train: error: {reason}; its MLflow run was marked FAILED", file=sys.stderr, flush=True)
         for session in sessions:
             for pid in _ray_session_pids(session):
                 try:

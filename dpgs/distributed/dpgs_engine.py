@@ -216,6 +216,8 @@ class DpgsEngine:
             first = replace(todo[0], keep_ratio=self.keep.measuring_ratio)
             self._run_chunk([first], plans, epoch, history, reports)
             self.compute_seconds = step_compute_seconds(reports.workers)
+            self.keep.costs.observe({first.index: first.keep_ratio}, reports.workers, reports.master,
+                                    exchange=False)
             todo = todo[1:]
         decision = self.keep.decide(link, self.compute_seconds, self.bytes)
         ratio = self.keep.ratio(epoch)
@@ -228,11 +230,12 @@ class DpgsEngine:
         return [replace(p, keep_ratio=ratio) for p in todo], {**decision.metrics(), **link.metrics()}
 
     def _measured(self, reports: ChunkReports, steps: list[StepPlan]) -> None:
-        """Remember the epoch's compute per step and, from its compressed steps, the payload bytes per sent
-        entry (the next decision's inputs)."""
+        """Remember the epoch's compute per step, its step costs per keep ratio and, from its compressed
+        steps, the payload bytes per sent entry (the next decision's inputs)."""
         if reports.workers:
             self.compute_seconds = step_compute_seconds(reports.workers)
         keep = {p.index: p.keep_ratio for p in steps}
+        self.keep.costs.observe(keep, reports.workers, reports.master)
         sparse = [(keep[r.index], r.up_bytes - 8 * self.bytes.buffers) for r in reports.workers
                   if r.n_bags and keep.get(r.index, 1.0) < 1.0]
         if sparse:

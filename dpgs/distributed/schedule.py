@@ -2,12 +2,16 @@
 
 * A fixed ``dpgs.compression.keep_ratio`` (1 sends everything, dense) is the steady ratio.
 * ``keep_ratio=auto`` chooses it each epoch from what the run measures (:meth:`KeepSchedule.decide`): the
-  links between the master and its workers (``dpgs.distributed.link_probe``) and the compute time of a
-  step (the slowest worker's forward/backward, median over the steps measured). The exchange of a step at
-  keep ratio ``k`` is predicted from the bytes it moves per worker (:class:`ByteModel`); auto picks dense
-  when the dense exchange costs at most ``auto_share`` of the compute, otherwise the largest of
+  links between the master and its workers (``dpgs.distributed.link_probe``), the compute time of a
+  step (the slowest worker's forward/backward, median over the steps measured) and what the run's steps
+  cost at the ratios already run (:class:`StepCosts`). The exchange of a step at keep ratio ``k`` is what
+  the last epoch's steps at ``k`` spent beyond their compute when it ran them; otherwise the link time of
+  the bytes it moves per worker (:class:`ByteModel`) plus the codec time measured nearest ``k``; auto picks
+  dense when the dense exchange costs at most ``auto_share`` of the compute, otherwise the largest of
   ``auto_ratios`` whose exchange stays within that share. When none does, the largest ratio whose exchange
   is within 10 % of the fastest one: on a link whose latency dominates, compressing saves nothing.
+  The codec time matters on fast links: top-k selection, zstd and the sparse decode cost more than they
+  save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head).
 * With ``warmup_epochs = W``, a compressed steady ratio follows DGC's warm-up 25 %, 6.25 %, 1.5625 %, ...
   for the first W epochs (never below the steady ratio); dense stays dense.
 
@@ -24,7 +28,7 @@ from dpgs.compression import KeepRatioSchedule, ParamLayout
 from dpgs.compression.dtypes import VALUE_DTYPES
 from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.link_probe import LinkProbe
-from dpgs.distributed.messages import WorkerStep
+from dpgs.distributed.messages import MasterStep, WorkerStep
 
 HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
 INDEX_BYTES = 1.0  # bytes per sent entry for its index after zstd (gaps of top-k at <= 10 %; measured ~0.7)
@@ -98,6 +102,52 @@ class KeepDecision:
         }
 
 
+class StepCosts:
+    """What the run's own steps cost at each keep ratio it has run (median over the steps at that ratio,
+    the latest measurement of each ratio kept):
+
+    * ``codec[k]``: the slowest worker's encode + apply (decode, optimizer step or weight load) plus the
+      master's decode + encode;
+    * ``exchange[k]``: the master's wall time of a step minus the slowest worker's compute: everything a
+      step spends beyond computing (link, codec, waiting), as it happened.
+
+    A ratio not run yet takes the codec cost of the nearest ratio below it that has run (top-k selection
+    over every gradient value costs the same at any ratio; only the entries to decode grow with it), and 0
+    when none has: auto tries it, measures it and decides again at the next epoch with what it cost.
+    """
+
+    def __init__(self) -> None:
+        self.codec: dict[float, float] = {}
+        self.exchange: dict[float, float] = {}
+
+    def observe(self, keep_of: dict[int, float], workers: list[WorkerStep], master: list[MasterStep],
+                exchange: bool = True) -> None:
+        """Add steps (``keep_of``: each step's keep ratio; steps not in it are left out). ``exchange=False``:
+        the codec cost only (a fold's first step, whose wall time holds one-off start-up costs)."""
+        codec: dict[int, float] = {}
+        compute: dict[int, float] = {}
+        for r in workers:
+            if r.index in keep_of:
+                codec[r.index] = max(codec.get(r.index, 0.0), r.encode_seconds + r.apply_seconds)
+                compute[r.index] = max(compute.get(r.index, 0.0), r.compute_seconds)
+        by_ratio: dict[float, tuple[list[float], list[float]]] = {}
+        for m in master:
+            if m.index in codec:
+                codecs, exchanges = by_ratio.setdefault(keep_of[m.index], ([], []))
+                codecs.append(codec[m.index] + m.decode_seconds + m.encode_seconds)
+                exchanges.append(max(m.step_seconds - compute[m.index], 0.0))
+        for keep, (codecs, exchanges) in by_ratio.items():
+            self.codec[keep] = statistics.median(codecs)
+            if exchange:
+                self.exchange[keep] = statistics.median(exchanges)
+
+    def codec_at(self, keep: float) -> float:
+        if keep in self.codec:
+            return self.codec[keep]
+        below = [k for k in self.codec if k <= keep and (k < 1.0) == (keep < 1.0)]
+        return self.codec[max(below)] if below else 0.0
+
+
 def step_compute_seconds(reports: list[WorkerStep]) -> float:
     """Median over steps of the slowest worker's forward/backward time."""
     by_step: dict[int, float] = {}
@@ -113,6 +163,7 @@ class KeepSchedule:
         self.cfg = cfg
         self.auto = cfg.keep_ratio == "auto"
         self.steady = min(cfg.auto_ratios) if self.auto else float(cfg.keep_ratio)
+        self.costs = StepCosts()
 
     @property
     def measuring_ratio(self) -> float:
@@ -120,11 +171,14 @@ class KeepSchedule:
         return min(self.cfg.auto_ratios)
 
     def decide(self, link: LinkProbe, compute_seconds: float, bytes_model: ByteModel) -> KeepDecision:
-        """``keep_ratio=auto``: the steady ratio from the measured link and compute (module docstring)."""
+        """``keep_ratio=auto``: the steady ratio from the measured link, compute and step costs (module
+        docstring). A ratio whose steps were measured after the first one is judged by what they cost."""
         budget = self.cfg.auto_share * compute_seconds
 
         def exchange(keep: float) -> float:
-            return link.exchange_seconds(*bytes_model.per_worker(keep))
+            if keep in self.costs.exchange:
+                return self.costs.exchange[keep]
+            return link.exchange_seconds(*bytes_model.per_worker(keep)) + self.costs.codec_at(keep)
 
         candidates = sorted(set(self.cfg.auto_ratios) | {1.0}, reverse=True)
         seconds = {k: exchange(k) for k in candidates}

@@ -66,11 +66,13 @@ class DpgsSession:
             .remote(setup.spec, config, self.launch.threads)
         )
         try:
-            return RankGroup(config.dpgs, master, workers, here)
+            group = RankGroup(config.dpgs, master, workers, here)
         except BaseException:
             ray.kill(master, no_restart=True)
             workers.close()
             raise
+        group.watch.backstop(f"resume from the last checkpoint in {config.train.output_dir} with --resume")
+        return group
 
     def engine(self, setup: FoldSetup) -> DpgsEngine:
         if self.group is None:

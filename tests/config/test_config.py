@@ -64,7 +64,7 @@ def test_round_trip_and_flatten(tmp_path):
     flat = flatten(config_to_dict(cfg))
     assert flat["dpgs.workers"] == 3
     assert flat["train.mode"] == "dpgs"
-    assert flat["dpgs.compression.keep_ratio"] == 0.01
+    assert flat["dpgs.compression.keep_ratio"] == "auto"
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "demo-dpgs.yaml", "tiles-demo.yaml", "clam-features.yaml",

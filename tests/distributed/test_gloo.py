@@ -87,7 +87,13 @@ def test_a_join_that_cannot_complete_frees_the_rank_within_the_join_deadline(mon
     assert took < 3.0 + 10, took
 
 
-def test_local_address_is_the_route_to_the_peer_outside_ray():
+def test_local_address_is_the_route_to_the_peer_outside_ray(monkeypatch):
+    import ray
+
     from dpgs.distributed.gloo import local_address
 
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # an earlier Ray test may have started it
     assert local_address("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
+    assert local_address("127.0.0.1") == "10.0.0.7"  # inside Ray: the node's address, not the route

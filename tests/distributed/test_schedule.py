@@ -8,8 +8,8 @@ import pytest
 from dpgs.compression import ParamLayout
 from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.link_probe import LinkProbe
-from dpgs.distributed.messages import WorkerStep
-from dpgs.distributed.schedule import HEADER_BYTES, ByteModel, KeepSchedule, step_compute_seconds
+from dpgs.distributed.messages import MasterStep, WorkerStep
+from dpgs.distributed.schedule import HEADER_BYTES, ByteModel, KeepSchedule, StepCosts, step_compute_seconds
 
 RESNET18 = 11_689_512  # about the trainable parameters of ResNet-18 + ABMIL
 
@@ -91,3 +91,63 @@ def test_compute_is_the_median_of_the_slowest_worker_per_step():
 
     reports = [report(0, 0, 1.0), report(0, 1, 3.0), report(1, 0, 2.0), report(1, 1, 1.0), report(2, 0, 9.0)]
     assert step_compute_seconds(reports) == 3.0  # per step 3, 2, 9
+
+
+def worker_step(index, worker, encode, apply, compute=0.5):
+    return WorkerStep(index, worker, 1, [0.0], 1, 0.0, compute, encode, 0.0, apply, 0, 0, 0)
+
+
+def master_step(index, decode, encode, step_seconds=0.6):
+    return MasterStep(index, 2, 1.0, 0.0, decode, 0.0, encode, 0, 0, step_seconds)
+
+
+def test_step_costs_per_keep_ratio_from_the_steps():
+    costs = StepCosts()
+    keep_of = {0: 0.01, 1: 0.01, 2: 1.0}
+    workers = [worker_step(0, 0, 0.02, 0.01), worker_step(0, 1, 0.01, 0.01, compute=0.7),
+               worker_step(1, 0, 0.01, 0.01), worker_step(1, 1, 0.04, 0.02),
+               worker_step(2, 0, 0.001, 0.002), worker_step(2, 1, 0.001, 0.001)]
+    master = [master_step(0, 0.01, 0.005, 0.9), master_step(1, 0.02, 0.005, 0.7),
+              master_step(2, 0.001, 0.0, 0.52)]
+    costs.observe(keep_of, workers, master)
+    # codec per step: slowest worker's encode + apply, plus the master's decode + encode
+    assert costs.codec_at(0.01) == pytest.approx((0.045 + 0.085) / 2)  # median of two steps
+    assert costs.codec_at(1.0) == pytest.approx(0.004)
+    assert costs.codec_at(0.3) == costs.codec_at(0.01)  # the nearest compressed ratio run below it
+    assert costs.codec_at(0.001) == 0.0  # nothing run at or below it: 0 until it has run
+    # exchange: the master's step wall time minus the slowest worker's compute
+    assert costs.exchange[0.01] == pytest.approx((0.2 + 0.2) / 2)
+    assert costs.exchange[1.0] == pytest.approx(0.02)
+    first = StepCosts()
+    first.observe({0: 0.001}, workers[:2], master[:1], exchange=False)  # a fold's first step
+    assert first.exchange == {} and first.codec_at(0.001) == pytest.approx(0.045)
+
+
+def test_auto_chooses_dense_on_loopback_where_the_codec_costs_more_than_the_link_saves():
+    """An ABMIL head on loopback (measured, 2-core machine): compute 20 ms a step, the link moves 3.4 MB
+    in ~10 ms, the sparse codec costs ~40 ms a step. Without the codec term auto compressed (the link
+    alone favours 30 %); with it, dense."""
+    cfg = CompressionConfig(keep_ratio="auto")
+    head = model(425_000)
+    fast = link(3_000.0, latency_s=0.004)
+    schedule = KeepSchedule(cfg)
+    assert schedule.decide(fast, 0.02, head).ratio < 1.0  # nothing measured of the codec yet
+    schedule.costs.codec[0.001] = 0.04
+    decision = schedule.decide(fast, 0.02, head)
+    assert decision.ratio == 1.0
+    assert decision.exchange_seconds == decision.dense_exchange_seconds
+    # on a slow link the same codec cost is small beside the link: compress
+    assert schedule.decide(link(100.0), 3.0, model()).ratio == 0.01
+
+
+def test_what_the_steps_cost_overrides_a_noisy_probe():
+    """A probe taken while the machine was busy predicts a slow dense exchange; the dense steps the run
+    took cost 5 ms beyond their compute: auto stays dense."""
+    cfg = CompressionConfig(keep_ratio="auto")
+    schedule = KeepSchedule(cfg)
+    schedule.costs.codec[0.001] = 0.04
+    noisy = link(30.0, latency_s=0.05)
+    assert schedule.decide(noisy, 0.15, model(134_000)).ratio < 1.0
+    schedule.costs.exchange[1.0] = 0.005
+    decision = schedule.decide(noisy, 0.15, model(134_000))
+    assert decision.ratio == 1.0 and decision.dense_exchange_seconds == 0.005
