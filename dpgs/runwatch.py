@@ -7,29 +7,55 @@ had started would leave its processes behind.
 
 ``dpgs train`` therefore starts one small watcher (``python -m dpgs.runwatch``) connected by a pipe and
 tells it, line by line, which MLflow runs it starts (``run URI RUN_ID``), which of them it ended itself
-(``ended RUN_ID``), which local Ray session it started (``session NAME``) and, when it knows it is about
-to be ended abnormally, why (``reason TEXT``: recorded instead of the generic reason). The watcher ignores
-SIGINT and SIGTERM (the driver handles those itself) and waits for the pipe to close, which happens
-however the driver ends. Then, for every run the driver did not end whose store still exists (a deleted
-SQLite file is a store that is gone, not one to recreate) and that is still RUNNING, it marks it FAILED
-with the ``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an abnormal end it also
-stops the processes of the local Ray session the driver had started (never those of a cluster joined with
+(``ended RUN_ID``), which local Ray session it started (``session NAME``) and, while a DPGS group runs on
+a cluster, the cluster's head (``head HOST:PORT HINT``, until ``head-closed``). The watcher ignores SIGINT
+and SIGTERM (the driver handles those itself) and waits for the pipe to close, which happens however the
+driver ends. Then, for every run the driver did not end whose store still exists (a deleted SQLite file is
+a store that is gone, not one to recreate) and that is still RUNNING, it marks it FAILED with the
+``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an abnormal end it also stops the
+processes of the local Ray session the driver had started (never those of a cluster joined with
 ``--address``).
+
+The head watch is for a driver that cannot report a lost head itself: found on a multi-host cluster, a
+driver on the head whose Ray was killed stayed blocked inside Ray until Ray ended it 60 s later, without a
+word (exit 1). The watcher polls the head's GCS every ``POLL_S``; once it has been unreachable for
+``HEAD_LOST_S``, it prints ``dpgs train: error: the cluster's head (Ray GCS at ...) has been unreachable
+...; HINT``, marks the runs FAILED with that reason and kills the driver. (The driver's own waits notice a
+lost head first, at 20 s, whenever its Python runs: ``dpgs.distributed.failures``.)
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from dpgs.records import TAG_ERROR
 
 REASON = ("the dpgs train process ended without closing its MLflow run (killed, out of memory, or ended "
           "by Ray when its raylet or GCS died)")
+HEAD_LOST_S = 40.0  # before Ray's own 60 s
+POLL_S = 5.0
+
+
+def gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether the Ray GCS at ``host:port`` accepts a TCP connection."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def head_lost_message(address: str, seconds: float) -> str:
+    return (f"the cluster's head (Ray GCS at {address}) has been unreachable for {seconds:.0f}s: its Ray "
+            "stopped or the network to it is cut")
 
 
 class RunWatcher:
@@ -62,10 +88,13 @@ class RunWatcher:
     def watch_ray_session(self, session_name: str) -> None:
         self._send(f"session {session_name}")
 
-    def run_failed(self, reason: str) -> None:
-        """The reason to record for runs the driver will not end itself (one line)."""
+    def watch_head(self, gcs_address: str, resume_hint: str) -> None:
+        """Watch the cluster's head while a DPGS group runs on it (module docstring)."""
+        self._send(f"head {gcs_address} {' '.join(resume_hint.split())}")
+
+    def head_closed(self) -> None:
         if self._proc is not None:
-            self._send(f"reason {' '.join(reason.split())}")
+            self._send("head-closed")
 
 
 WATCHER = RunWatcher()
@@ -106,25 +135,82 @@ def _end_runs(runs: list[tuple[str, str]], reason: str = REASON) -> int:
     return ended
 
 
+class HeadWatch:
+    """The watcher's thread on the cluster's head: ``on_lost(message)`` once the GCS has been unreachable
+    for ``limit_s`` in a row while watched."""
+
+    def __init__(self, on_lost, limit_s: float = HEAD_LOST_S, poll_s: float = POLL_S):
+        self.on_lost, self.limit_s, self.poll_s = on_lost, limit_s, poll_s
+        self._head: tuple[str, str] | None = None
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="head-watch", daemon=True).start()
+
+    def watch(self, address: str, hint: str) -> None:
+        with self._lock:
+            self._head = (address, hint)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._head = None
+
+    def _run(self) -> None:
+        since = None
+        while True:
+            time.sleep(self.poll_s)
+            with self._lock:
+                head = self._head
+            if head is None or gcs_reachable(head[0]):
+                since = None
+                continue
+            since = since or time.monotonic()
+            if time.monotonic() - since >= self.limit_s:
+                self.on_lost(f"{head_lost_message(head[0], time.monotonic() - since)}; {head[1]}")
+                return
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    driver = os.getppid()
     runs: list[tuple[str, str]] = []
     sessions: list[str] = []
-    reason = REASON
+    lock = threading.Lock()
+
+    lost: list[str] = []
+
+    def head_lost(message: str) -> None:
+        print(f"dpgs train: error: {message}", file=sys.stderr, flush=True)
+        with lock:
+            _end_runs(runs, message)
+            runs.clear()
+            lost.append(message)
+        try:
+            os.kill(driver, signal.SIGKILL)  # blocked inside Ray: nothing else ends it before Ray does
+        except OSError:
+            pass
+
+    head = HeadWatch(head_lost)
     for line in sys.stdin:  # until the driver's end of the pipe closes
         kind, _, rest = line.strip().partition(" ")
-        if kind == "run":
-            uri, _, run_id = rest.rpartition(" ")
-            runs.append((uri, run_id))
-        elif kind == "ended":
-            runs = [(uri, run_id) for uri, run_id in runs if run_id != rest]
-        elif kind == "session":
-            sessions.append(rest)
-        elif kind == "reason":
-            reason = rest
-    if _end_runs(runs, reason):
-        print(f"dpgs train: error: {reason}; its MLflow run was marked FAILED", file=sys.stderr, flush=True)
+        with lock:
+            if kind == "run":
+                uri, _, run_id = rest.rpartition(" ")
+                runs.append((uri, run_id))
+            elif kind == "ended":
+                runs[:] = [(uri, run_id) for uri, run_id in runs if run_id != rest]
+            elif kind == "session":
+                sessions.append(rest)
+        if kind == "head":
+            address, _, hint = rest.partition(" ")
+            head.watch(address, hint)
+        elif kind == "head-closed":
+            head.stop()
+    head.stop()
+    with lock:
+        ended = _end_runs(runs)
+    if ended:
+        print(f"dpgs train: error: {REASON}; its MLflow run was marked FAILED", file=sys.stderr, flush=True)
+    if ended or lost:
         for session in sessions:
             for pid in _ray_session_pids(session):
                 try:

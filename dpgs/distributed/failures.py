@@ -8,20 +8,15 @@ resumable from the run's last checkpoint.
 Why the head is watched: when the Ray GCS (the head) becomes unreachable, Ray ends the driver process
 after 60 s without running any Python, so the user would see the command vanish. :class:`GcsWatch`
 notices first: the driver's waits poll it and raise :class:`ClusterLost` naming the head's address after
-``GCS_LOST_S``. A wait can itself block inside Ray once the head's raylet is gone (found on the lab: the
-driver ran on the head, whose Ray was killed), so :meth:`GcsWatch.backstop` also watches from a thread
-and, at ``BACKSTOP_S``, prints the same error line, leaves the reason to the run watcher
-(``dpgs.runwatch``, which marks the MLflow run FAILED) and ends the process with exit code 3.
+``GCS_LOST_S``. A driver blocked inside Ray once the head's raylet is gone (found on the lab: a driver on
+the head whose Ray was killed) runs no Python at all, so the run watcher process (``dpgs.runwatch``)
+also watches the head and ends such a driver with the same error line at 40 s.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import re
-import socket
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,10 +24,9 @@ from contextlib import contextmanager
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from dpgs.errors import RunFailure
-from dpgs.runwatch import WATCHER
+from dpgs.runwatch import gcs_reachable, head_lost_message
 
 GCS_LOST_S = 20.0  # Ray itself ends a driver whose GCS stays unreachable for 60 s
-BACKSTOP_S = 40.0  # the thread's limit, for a driver blocked inside Ray
 POLL_S = 5.0  # how often a waiting driver looks at the GCS
 
 
@@ -85,19 +79,9 @@ def reports_ray_failures(what: str):
     return wrap
 
 
-def gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
-    """Whether the GCS at ``host:port`` accepts a TCP connection."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 class GcsWatch:
     """Watches the cluster's head while the driver waits: :meth:`poll` raises :class:`ClusterLost` once the
-    GCS at ``address`` has been unreachable for ``GCS_LOST_S`` in a row; :attr:`lost` says it happened
+    GCS at ``address`` has been unreachable for ``grace_s`` in a row; :attr:`lost` says it happened
     (nothing of the group can be released then: every call would wait for the GCS)."""
 
     def __init__(self, address: str, grace_s: float = GCS_LOST_S):
@@ -105,53 +89,14 @@ class GcsWatch:
         self.grace_s = grace_s
         self.unreachable_since: float | None = None
         self.lost = False
-        self._closed = threading.Event()
-
-    def _lost_for(self, since: float | None) -> float | None:
-        """Seconds the GCS has been unreachable (``since``: when first found so); None when it answers."""
-        if gcs_reachable(self.address):
-            return None
-        return time.monotonic() - since if since is not None else 0.0
-
-    def _message(self, seconds: float) -> str:
-        return (f"the cluster's head (Ray GCS at {self.address}) has been unreachable for {seconds:.0f}s: "
-                "its Ray stopped or the network to it is cut")
 
     def poll(self) -> None:
-        """Raise ClusterLost once the GCS has been unreachable for ``grace_s`` in a row."""
-        lost_for = self._lost_for(self.unreachable_since)
-        if lost_for is None:
+        if gcs_reachable(self.address):
             self.unreachable_since = None
             return
+        now = time.monotonic()
         if self.unreachable_since is None:
-            self.unreachable_since = time.monotonic()
-        if lost_for >= self.grace_s:
+            self.unreachable_since = now
+        if now - self.unreachable_since >= self.grace_s:
             self.lost = True
-            raise ClusterLost(self._message(lost_for))
-
-    def backstop(self, resume_hint: str, limit_s: float = BACKSTOP_S, on_lost=None) -> threading.Thread:
-        """Watch from a daemon thread until :meth:`close`: once the GCS has been unreachable for ``limit_s``,
-        print ``dpgs train: error: ...; <resume_hint>``, and end the process with exit code 3 (``on_lost``,
-        for tests: called with the message instead)."""
-
-        def watch() -> None:
-            since = None
-            while not self._closed.wait(POLL_S):
-                lost_for = self._lost_for(since)
-                since = None if lost_for is None else (since or time.monotonic())
-                if lost_for is not None and lost_for >= limit_s:
-                    message = f"{self._message(lost_for)}; {resume_hint}"
-                    if on_lost is not None:
-                        on_lost(message)
-                        return
-                    WATCHER.run_failed(message)
-                    print(f"dpgs train: error: {message}", file=sys.stderr, flush=True)
-                    os._exit(RunFailure.exit_code)
-
-        thread = threading.Thread(target=watch, name="dpgs-head-backstop", daemon=True)
-        thread.start()
-        return thread
-
-    def close(self) -> None:
-        """Stop the backstop thread."""
-        self._closed.set()
+            raise ClusterLost(head_lost_message(self.address, now - self.unreachable_since))

@@ -274,7 +274,6 @@ class RankGroup:
     def close(self) -> None:
         """Release the workers' own resources (their ranks), kill every actor, release the placements
         (nothing to release when the cluster is lost: its GCS is gone and every call would wait for it)."""
-        self.watch.close()
         if self.watch.lost:
             return
         refs = self.workers.call("close")

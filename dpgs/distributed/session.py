@@ -13,6 +13,7 @@ from dpgs.distributed.failures import ray_failures
 from dpgs.distributed.rank_group import RankGroup
 from dpgs.distributed.roles import Roles, WorkerLaunch
 from dpgs.distributed.runtime import connect
+from dpgs.runwatch import WATCHER
 from dpgs.train.engine import FoldSetup
 
 
@@ -53,6 +54,7 @@ class DpgsSession:
         self.roles = roles
         self.group: RankGroup | None = None
         self.launch: WorkerLaunch | None = None
+        self.head_watched = False
 
     def _start(self, setup: FoldSetup) -> RankGroup:
         config = setup.config
@@ -71,7 +73,10 @@ class DpgsSession:
             ray.kill(master, no_restart=True)
             workers.close()
             raise
-        group.watch.backstop(f"resume from the last checkpoint in {config.train.output_dir} with --resume")
+        if config.dpgs.address:  # a cluster head this process does not own: the run watcher watches it
+            WATCHER.watch_head(group.watch.address,
+                               f"resume from the last checkpoint in {config.train.output_dir} with --resume")
+            self.head_watched = True
         return group
 
     def engine(self, setup: FoldSetup) -> DpgsEngine:
@@ -81,6 +86,8 @@ class DpgsSession:
 
     def close(self) -> None:
         if self.group is not None:
+            if self.head_watched and not self.group.watch.lost:
+                WATCHER.head_closed()
             self.group.close()
             # reservations of workers that died without closing (none reachable once the cluster is lost)
             if self.launch.reservation_prefix and not self.group.watch.lost:

@@ -53,25 +53,3 @@ def test_a_head_that_answers_again_resets_the_grace_period():
     watch.poll()
     assert watch.unreachable_since is None and not watch.lost
     server.close()
-
-
-def test_the_backstop_thread_ends_the_run_when_the_head_stays_unreachable(monkeypatch):
-    """For a driver blocked inside Ray: the thread reports the lost head with the resume hint."""
-    monkeypatch.setattr(failures, "POLL_S", 0.05)
-    said = []
-    watch = GcsWatch(closed_address())
-    thread = watch.backstop("resume from runs/x", limit_s=0.2, on_lost=said.append)
-    thread.join(10)
-    assert not thread.is_alive()
-    assert len(said) == 1 and said[0].startswith("the cluster's head (Ray GCS at 127.0.0.1:")
-    assert said[0].endswith("; resume from runs/x")
-
-
-def test_a_closed_backstop_stops_watching(monkeypatch):
-    monkeypatch.setattr(failures, "POLL_S", 0.05)
-    said = []
-    watch = GcsWatch(closed_address())
-    thread = watch.backstop("resume", limit_s=5.0, on_lost=said.append)
-    watch.close()
-    thread.join(5)
-    assert not thread.is_alive() and said == []

@@ -113,3 +113,44 @@ def test_watcher_leaves_runs_the_driver_ended_and_stores_that_are_gone(tmp_path)
     assert client.get_run(ended).info.status == "RUNNING"  # not the watcher's to end
     assert "could not end" not in done.stderr and "dpgs train: error:" in done.stderr
     assert not gone.parent.exists()
+
+
+def closed_address() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once the socket closes
+
+
+def test_the_head_watch_reports_a_head_that_stays_unreachable():
+    """For a driver blocked inside Ray on a cluster whose head is gone: the watcher process reports it."""
+    from dpgs.runwatch import HeadWatch
+
+    said = []
+    watch = HeadWatch(said.append, limit_s=0.3, poll_s=0.05)
+    address = closed_address()
+    watch.watch(address, "resume from runs/x with --resume")
+    deadline = time.monotonic() + 10
+    while not said and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(said) == 1
+    assert said[0].startswith(f"the cluster's head (Ray GCS at {address}) has been unreachable for")
+    assert said[0].endswith("; resume from runs/x with --resume")
+
+
+def test_the_head_watch_stays_quiet_when_stopped_or_when_the_head_answers():
+    import socket
+
+    from dpgs.runwatch import HeadWatch
+
+    said = []
+    stopped = HeadWatch(said.append, limit_s=0.2, poll_s=0.05)
+    stopped.watch(closed_address(), "hint")
+    stopped.stop()  # the driver closed its group
+    server = socket.create_server(("127.0.0.1", 0))
+    answering = HeadWatch(said.append, limit_s=0.2, poll_s=0.05)
+    answering.watch(f"127.0.0.1:{server.getsockname()[1]}", "hint")
+    time.sleep(1.0)
+    server.close()
+    assert said == []
