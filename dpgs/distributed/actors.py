@@ -80,10 +80,11 @@ def get_all(refs: list, timeout_s: float, what: str, watch: GcsWatch | None = No
         left = max(deadline - time.monotonic(), 0.0)
         wait_s = left if watch is None else min(POLL_S, left)
         ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+        if watch is not None:
+            watch.poll()
         if not ready:
             if time.monotonic() >= deadline:
                 raise GetTimeoutError(f"{what}: no answer within {timeout_s:g}s")
-            watch.poll()
             continue
         ray.get(ready[0])
     return ray.get(list(refs))

@@ -82,15 +82,24 @@ def reports_ray_failures(what: str):
 class GcsWatch:
     """Watches the cluster's head while the driver waits: :meth:`poll` raises :class:`ClusterLost` once the
     GCS at ``address`` has been unreachable for ``grace_s`` in a row; :attr:`lost` says it happened
-    (nothing of the group can be released then: every call would wait for the GCS)."""
+    (nothing of the group can be released then: every call would wait for the GCS).
 
-    def __init__(self, address: str, grace_s: float = GCS_LOST_S):
+    The driver calls :meth:`poll` on every turn of its waits; it looks at the GCS at most every
+    ``interval_s`` (the actors go on stepping without the GCS, so a wait may never time out while it is
+    gone)."""
+
+    def __init__(self, address: str, grace_s: float = GCS_LOST_S, interval_s: float = POLL_S):
         self.address = address
         self.grace_s = grace_s
+        self.interval_s = interval_s
         self.unreachable_since: float | None = None
         self.lost = False
+        self._looked_at = -float("inf")
 
     def poll(self) -> None:
+        if time.monotonic() - self._looked_at < self.interval_s:
+            return
+        self._looked_at = time.monotonic()
         if gcs_reachable(self.address):
             self.unreachable_since = None
             return

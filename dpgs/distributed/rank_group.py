@@ -220,8 +220,8 @@ class RankGroup:
         while pending:
             timeout = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            self.watch.poll()
             if not ready:
-                self.watch.poll()
                 if deadline is None or time.monotonic() < deadline:
                     continue
                 for rank in pending.values():  # the others stopped call_timeout_s ago: these hang

@@ -36,7 +36,7 @@ def closed_address() -> str:
 
 
 def test_an_unreachable_head_is_a_cluster_loss_after_the_grace_period():
-    watch = GcsWatch(closed_address())
+    watch = GcsWatch(closed_address(), interval_s=0.0)
     watch.poll()  # unreachable, within the grace period
     assert watch.unreachable_since is not None and not watch.lost
     watch.unreachable_since = time.monotonic() - failures.GCS_LOST_S - 1
@@ -48,8 +48,19 @@ def test_an_unreachable_head_is_a_cluster_loss_after_the_grace_period():
 
 def test_a_head_that_answers_again_resets_the_grace_period():
     server = socket.create_server(("127.0.0.1", 0))
-    watch = GcsWatch(f"127.0.0.1:{server.getsockname()[1]}")
+    watch = GcsWatch(f"127.0.0.1:{server.getsockname()[1]}", interval_s=0.0)
     watch.unreachable_since = time.monotonic() - 1000
     watch.poll()
     assert watch.unreachable_since is None and not watch.lost
     server.close()
+
+
+def test_the_head_is_looked_at_once_per_interval_however_often_the_driver_polls(monkeypatch):
+    """The driver polls on every turn of its waits (steps can flow without the GCS, so waits need not time
+    out); a connection to the GCS is tried at most once per interval."""
+    tried = []
+    monkeypatch.setattr(failures, "gcs_reachable", lambda address: tried.append(address) or True)
+    watch = GcsWatch("10.0.0.1:6379", interval_s=60.0)
+    for _ in range(100):
+        watch.poll()
+    assert tried == ["10.0.0.1:6379"]
