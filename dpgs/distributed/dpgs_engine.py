@@ -209,9 +209,9 @@ class DpgsEngine:
     # ------------------------------------------------------------------ keep_ratio=auto
     def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
                            reports: ChunkReports) -> tuple[list[StepPlan], dict]:
-        """Probe the links; without a compute measurement yet, run the first step alone at the cheapest
-        ratio to measure it; decide the epoch's ratio. Returns the steps left and the figures."""
-        link = self.group.probe_links(probe_sizes(4 * self.bytes.numel))
+        """Without a compute measurement yet, run the first step alone at the cheapest ratio to measure it;
+        probe the links unless no probe could change a dense choice; decide the epoch's ratio. Returns the
+        steps left and the figures."""
         if self.compute_seconds is None:
             first = replace(todo[0], keep_ratio=self.keep.measuring_ratio)
             self._run_chunk([first], plans, epoch, history, reports)
@@ -219,15 +219,21 @@ class DpgsEngine:
             self.keep.costs.observe({first.index: first.keep_ratio}, reports.workers, reports.master,
                                     exchange=False)
             todo = todo[1:]
-        decision = self.keep.decide(link, self.compute_seconds, self.bytes)
+        if self.keep.dense_is_settled(self.compute_seconds):
+            decision, link_figures = self.keep.keep_dense(self.compute_seconds), {}
+        else:
+            link = self.group.probe_links(probe_sizes(4 * self.bytes.numel))
+            decision, link_figures = self.keep.decide(link, self.compute_seconds, self.bytes), link.metrics()
         ratio = self.keep.ratio(epoch)
         print(
             f"[dpgs] epoch {epoch}: keep_ratio=auto chose {decision.ratio:g} (this epoch {ratio:g}): compute "
             f"{decision.compute_seconds:.3f} s/step, dense exchange {decision.dense_exchange_seconds:.3f} s, "
-            f"at {decision.ratio:g} {decision.exchange_seconds:.3f} s",
+            f"at {decision.ratio:g} {decision.exchange_seconds:.3f} s"
+            + ("" if link_figures else " (measured on its steps; the links were not probed)"),
             flush=True,
         )
-        return [replace(p, keep_ratio=ratio) for p in todo], {**decision.metrics(), **link.metrics()}
+        figures = {**decision.metrics(), **link_figures, "auto_links_probed": float(bool(link_figures))}
+        return [replace(p, keep_ratio=ratio) for p in todo], figures
 
     def _measured(self, reports: ChunkReports, steps: list[StepPlan]) -> None:
         """Remember the epoch's compute per step, its step costs per keep ratio and, from its compressed

@@ -11,7 +11,8 @@
   ``auto_ratios`` whose exchange stays within that share. When none does, the largest ratio whose exchange
   is within 10 % of the fastest one: on a link whose latency dominates, compressing saves nothing.
   The codec time matters on fast links: top-k selection, zstd and the sparse decode cost more than they
-  save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head).
+  save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head). The links are
+  probed only where a probe could change the choice (:meth:`KeepSchedule.dense_is_settled`).
 * With ``warmup_epochs = W``, a compressed steady ratio follows DGC's warm-up 25 %, 6.25 %, 1.5625 %, ...
   for the first W epochs (never below the steady ratio); dense stays dense.
 
@@ -169,6 +170,24 @@ class KeepSchedule:
     def measuring_ratio(self) -> float:
         """The keep ratio of the steps that measure compute before auto's first decision (the cheapest)."""
         return min(self.cfg.auto_ratios)
+
+    def dense_is_settled(self, compute_seconds: float) -> bool:
+        """Whether no probe of the links could change a dense choice: the run is dense, its dense steps were
+        measured, and either they fit the budget or every compressed ratio's codec time alone (a lower
+        bound of its exchange) fits neither the budget nor within 10 % of dense's measured exchange."""
+        dense = self.costs.exchange.get(1.0)
+        if not self.auto or self.steady < 1.0 or dense is None:
+            return False
+        budget = self.cfg.auto_share * compute_seconds
+        if dense <= budget:
+            return True
+        lower = [self.costs.codec_at(k) for k in self.cfg.auto_ratios if k < 1.0]
+        return all(b > budget and 1.1 * b >= dense for b in lower)
+
+    def keep_dense(self, compute_seconds: float) -> KeepDecision:
+        """The decision when :meth:`dense_is_settled`: dense, from what its steps cost."""
+        dense = self.costs.exchange[1.0]
+        return KeepDecision(1.0, compute_seconds, dense, dense)
 
     def decide(self, link: LinkProbe, compute_seconds: float, bytes_model: ByteModel) -> KeepDecision:
         """``keep_ratio=auto``: the steady ratio from the measured link, compute and step costs (module

@@ -151,3 +151,23 @@ def test_what_the_steps_cost_overrides_a_noisy_probe():
     schedule.costs.exchange[1.0] = 0.005
     decision = schedule.decide(noisy, 0.15, model(134_000))
     assert decision.ratio == 1.0 and decision.dense_exchange_seconds == 0.005
+
+
+def test_no_probe_while_no_probe_could_change_a_dense_choice():
+    """Dense whose steps fit the budget, or whose exchange no compressed ratio's codec time alone comes
+    within 10 % of: settled (no probe). A compressed ratio whose codec is cheap could win: probe."""
+    schedule = KeepSchedule(CompressionConfig(keep_ratio="auto"))
+    schedule.steady = 1.0
+    assert not schedule.dense_is_settled(0.1)  # dense not measured yet
+    schedule.costs.exchange[1.0] = 0.005
+    assert schedule.dense_is_settled(0.1)  # 5 ms <= 10 % of 100 ms
+    schedule.costs.exchange[1.0] = 0.02
+    schedule.costs.codec[0.001] = 0.04
+    assert schedule.dense_is_settled(0.1)  # compressing costs 40 ms of codec alone
+    decision = schedule.keep_dense(0.1)
+    assert (decision.ratio, decision.dense_exchange_seconds, decision.exchange_seconds) == (1.0, 0.02, 0.02)
+    schedule.costs.codec[0.001] = 0.005
+    assert not schedule.dense_is_settled(0.1)  # a cheap codec on a slow link could win: probe
+    schedule.steady = 0.01
+    assert not schedule.dense_is_settled(0.1)  # compressed runs re-probe every epoch
+    assert not KeepSchedule(CompressionConfig(keep_ratio=1.0)).dense_is_settled(0.1)  # fixed: no auto
