@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpgs-installed
 
-.PHONY: install test test-slow demo demo-tiles lint clean
+.PHONY: install test test-slow cluster-test image-test demo demo-tiles lint clean
 
 install: $(STAMP)
 
@@ -46,8 +46,20 @@ demo-tiles: $(STAMP)
 		tracking.run_name=frozen-encoder train.output_dir=runs/tiles-demo-frozen
 	$(VENV)/bin/dpgs compare --experiment dpgs-tiles-demo --metric val_auc --out runs/tiles-demo-compare
 
+# The cluster image (docker/Dockerfile) built here and used, as root: Debian's docker.io with a private
+# dockerd, a debootstrap Debian root as BASE_IMAGE, torch from a local wheel folder, then dpgs --version,
+# the imports and one epoch of the demo configs in a container (tests/image/__main__.py). Cached in
+# .image-cache/ (git-ignored): a second run rebuilds only what changed.
+image-test: $(STAMP)
+	$(PY) -m tests.image --torch-spec "$(TORCH_SPEC)"
+
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# The multi-host lab (as root): a head and two worker hosts in Linux namespaces on this machine, `ray up`
+# with configs/cluster.yaml, DPGS training on it, network faults, `ray down` (tests/lab/, docs/cluster.md).
+cluster-test: $(STAMP)
+	$(PY) -m tests.lab.cluster_test
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dpgs master workers tests benchmarks

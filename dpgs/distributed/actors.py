@@ -25,6 +25,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dpgs.distributed.failures import POLL_S, GcsWatch
 from dpgs.distributed.runtime import ClusterError
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -69,15 +70,21 @@ def release_named(prefix: str) -> int:
     return removed
 
 
-def get_all(refs: list, timeout_s: float, what: str) -> list:
+def get_all(refs: list, timeout_s: float, what: str, watch: GcsWatch | None = None) -> list:
     """``ray.get(refs)`` with one deadline for all of them; the first failure is raised as soon as it is
-    known (``GetTimeoutError`` naming ``what`` when the deadline passes)."""
+    known (``GetTimeoutError`` naming ``what`` when the deadline passes). ``watch``: polled every
+    ``POLL_S`` while nothing arrives (ClusterLost when the head is gone)."""
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+        left = max(deadline - time.monotonic(), 0.0)
+        wait_s = left if watch is None else min(POLL_S, left)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         if not ready:
-            raise GetTimeoutError(f"{what}: no answer within {timeout_s:g}s")
+            if time.monotonic() >= deadline:
+                raise GetTimeoutError(f"{what}: no answer within {timeout_s:g}s")
+            watch.poll()
+            continue
         ray.get(ready[0])
     return ray.get(list(refs))
 

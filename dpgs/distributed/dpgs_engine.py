@@ -21,11 +21,12 @@ from typing import Any
 from dpgs.compression import ParamLayout
 from dpgs.config import config_to_dict
 from dpgs.distributed.assignment import assign_lpt, imbalance
+from dpgs.distributed.failures import MasterFailure, WorkerFailure
 from dpgs.distributed.flat import float_buffers
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import probe_sizes
 from dpgs.distributed.messages import ChunkPlan, StepPlan
-from dpgs.distributed.rank_group import ChunkReports, MasterFailure, RankGroup, WorkerFailure
+from dpgs.distributed.rank_group import ChunkReports, RankGroup
 from dpgs.distributed.schedule import ByteModel, KeepSchedule, step_compute_seconds
 from dpgs.distributed.sharded_eval import evaluate_on_workers
 from dpgs.distributed.sync import build_sync

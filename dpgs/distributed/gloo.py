@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -93,20 +94,21 @@ class GlooChannel:
         return failed
 
     def _wait_timed(self, works: list[tuple[int, Any]], what: str) -> list[str]:
-        """:meth:`_wait_all`, recording in ``self.arrivals[peer - 1]`` when each work completed (polled)."""
-        failed, pending = [], list(works)
-        while pending:
-            for peer, work in list(pending):
-                if work.is_completed():
-                    pending.remove((peer, work))
-                    self.arrivals[peer - 1] = time.perf_counter()
-                    try:
-                        self._wait(work, peer, what)
-                    except ChannelBroken as err:
-                        failed.append(str(err))
-            if pending:
-                time.sleep(50e-6)
-        return failed
+        """:meth:`_wait_all`, recording in ``self.arrivals[peer - 1]`` when each work completed. A gloo
+        receive completes only inside ``wait``, so each is waited for in a thread of its own."""
+
+        def wait(peer: int, work) -> str | None:
+            try:
+                self._wait(work, peer, what)
+                return None
+            except ChannelBroken as err:
+                return str(err)
+            finally:
+                self.arrivals[peer - 1] = time.perf_counter()
+
+        with ThreadPoolExecutor(max_workers=max(len(works), 1)) as pool:
+            results = list(pool.map(lambda pw: wait(*pw), works))
+        return [r for r in results if r is not None]
 
     def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
         """Every live worker's message is taken, even when another worker's failed (the live ones must not

@@ -25,6 +25,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dpgs.config.schema import DpgsConfig
 from dpgs.distributed.actors import PlacedActors, get_all
+from dpgs.distributed.failures import (
+    POLL_S,
+    GcsWatch,
+    MasterFailure,
+    WorkerFailure,
+    ray_error_summary,
+    ray_failures,
+    reports_ray_failures,
+)
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.mailbox import Mailbox
@@ -34,14 +43,6 @@ from dpgs.distributed.runtime import ClusterError
 from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK
 from dpgs.errors import RunFailure
 from dpgs.records import Checkpoint
-
-
-class WorkerFailure(RunFailure):
-    """Workers kept failing past ``dpgs.max_worker_restarts``."""
-
-
-class MasterFailure(RunFailure):
-    """The master actor died or stopped answering; the run can resume from its last checkpoint."""
 
 
 @dataclass
@@ -79,7 +80,9 @@ class RankGroup:
         self.transport: str | None = None
         self.mailbox = None
         self.fold = None  # object ref of the fold's start (sent again to restarted workers)
-        self.form()
+        self.watch = GcsWatch(ray.get_runtime_context().gcs_address)
+        with ray_failures("the DPGS master and workers could not form their group"):
+            self.form()
 
     @property
     def ranks(self) -> list:
@@ -87,7 +90,8 @@ class RankGroup:
 
     def _get(self, refs, timeout: float | None = None):
         one = not isinstance(refs, list)
-        got = get_all([refs] if one else refs, self.timeout if timeout is None else timeout, "the DPGS group")
+        got = get_all([refs] if one else refs, self.timeout if timeout is None else timeout, "the DPGS group",
+                      self.watch)
         return got[0] if one else got
 
     # ---------------------------------------------------------------- rendezvous
@@ -95,7 +99,10 @@ class RankGroup:
         self._get([r.join.remote(rendezvous) for r in self.ranks], timeout=JOIN_TIMEOUT_S + 30)
 
     def form(self) -> None:
-        """A new generation of the group: gloo where it can be formed, else Ray object refs."""
+        """A new generation of the group: gloo where it can be formed, else Ray object refs.
+
+        A rank whose gloo join fails is free again within ``JOIN_TIMEOUT_S`` (the join's own deadline), so
+        the ranks can join the Ray-transport group right after."""
         self.generation += 1
         world = len(self.ranks)
         if self.transport in (None, "gloo") and self.cfg.transport != "ray":
@@ -105,36 +112,43 @@ class RankGroup:
                 self.transport = "gloo"
                 return
             except (RayTaskError, GetTimeoutError) as err:
+                reason = ray_error_summary(err)
                 if self.cfg.transport == "gloo" or self.transport == "gloo":
                     raise RunFailure(
-                        f"cannot form the gloo group of the master and {world - 1} workers: {err}"
+                        f"cannot form the gloo group of the master and {world - 1} workers: {reason}"
                     ) from None
-                print(
-                    f"[dpgs] no gloo group ({type(err).__name__}); exchanging through Ray object refs",
-                    flush=True,
-                )
+                print(f"[dpgs] no gloo group ({reason}); exchanging through Ray object refs", flush=True)
                 self.generation += 1
         if self.mailbox is None:
             self.mailbox = Mailbox.options(scheduling_strategy=self.on_node).remote()
-        self._join(Rendezvous("ray", self.generation, world, self.timeout, mailbox=self.mailbox))
+        try:
+            self._join(Rendezvous("ray", self.generation, world, self.timeout, mailbox=self.mailbox))
+        except (RayTaskError, GetTimeoutError) as err:
+            raise RunFailure(
+                f"the master and {world - 1} workers cannot form a group: {ray_error_summary(err)}"
+            ) from None
         self.transport = "ray"
 
     # ---------------------------------------------------------------- folds and state
+    @reports_ray_failures("starting the fold on the master and workers")
     def start_fold(self, fold: FoldStart) -> None:
         """Every rank takes the fold's initial weights, class weights and step synchronisation."""
         self.fold = ray.put(fold)
         self._get([r.start_fold.remote(self.fold) for r in self.ranks])
 
+    @reports_ray_failures("resynchronising the workers with the master")
     def resync(self) -> int:
         """Every worker holds what the master says in-sync workers hold; returns the master's version."""
         state = self.master.replica_state.remote()
         self._get(self.workers.call("resync", state))
         return self.version()
 
+    @reports_ray_failures("asking the master for its version")
     def version(self) -> int:
         """The master's version (optimizer steps taken in this fold)."""
         return self._get(self.master.version.remote())
 
+    @reports_ray_failures("fetching the weights from the master")
     def model_state(self) -> dict:
         return self._get(self.master.model_state.remote())
 
@@ -148,10 +162,12 @@ class RankGroup:
                 states.append(None)
         return states
 
+    @reports_ray_failures("writing the DPGS checkpoint")
     def save_checkpoint(self, path: str, driver: dict) -> str:
         """Master state, the workers' synchronisation states and ``driver``, atomically to ``path``."""
         return self._get(self.master.save_checkpoint.remote(path, driver, self.sync_states()))
 
+    @reports_ray_failures("restoring the DPGS checkpoint")
     def restore(self, checkpoint: Checkpoint) -> int:
         """Load a checkpoint's master state and the workers' states; returns the version."""
         self._get(self.master.load_state_dict.remote(checkpoint.master))
@@ -161,6 +177,7 @@ class RankGroup:
             self._get([w.load_sync_state.remote(s) for w, s in zip(handles, states, strict=True)])
         return self.resync()
 
+    @reports_ray_failures("probing the links between the master and the workers")
     def probe_links(self, sizes: tuple[int, ...]) -> LinkProbe:
         """Round trips of a probe exchange between the master and every worker (between two chunks)."""
         refs = [self.master.probe_link.remote(sizes), *self.workers.call("probe_link", sizes)]
@@ -201,10 +218,13 @@ class RankGroup:
         results, dead, errors = {}, set(), {}
         deadline = None
         while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            timeout = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
-            if not ready:  # the others stopped call_timeout_s ago: these hang
-                for rank in pending.values():
+            if not ready:
+                self.watch.poll()
+                if deadline is None or time.monotonic() < deadline:
+                    continue
+                for rank in pending.values():  # the others stopped call_timeout_s ago: these hang
                     ray.kill(self.ranks[rank], no_restart=False)
                     dead.add(rank)
                 break
@@ -252,7 +272,10 @@ class RankGroup:
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:
-        """Release the workers' own resources (their ranks), kill every actor, release the placements."""
+        """Release the workers' own resources (their ranks), kill every actor, release the placements
+        (nothing to release when the cluster is lost: its GCS is gone and every call would wait for it)."""
+        if self.watch.lost:
+            return
         refs = self.workers.call("close")
         ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout, 60.0))
         self.workers.close()

@@ -9,6 +9,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from dpgs.config import Config
 from dpgs.distributed.actors import Bundle, PlacedActors, release_named
 from dpgs.distributed.dpgs_engine import DpgsEngine
+from dpgs.distributed.failures import ray_failures
 from dpgs.distributed.rank_group import RankGroup
 from dpgs.distributed.roles import Roles, WorkerLaunch
 from dpgs.distributed.runtime import connect
@@ -57,7 +58,8 @@ class DpgsSession:
         config = setup.config
         connect(config.dpgs)
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        workers, self.launch = start_workers(self.roles, config, setup.spec, setup.dataset)
+        with ray_failures("the DPGS workers could not start (is dpgs installed alike on every node?)"):
+            workers, self.launch = start_workers(self.roles, config, setup.spec, setup.dataset)
         master = (
             ray.remote(self.roles.master)
             .options(num_cpus=0, max_restarts=0, max_task_retries=0, scheduling_strategy=here)
@@ -78,6 +80,7 @@ class DpgsSession:
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
-            if self.launch.reservation_prefix:  # reservations of workers that died without closing
+            # reservations of workers that died without closing (none reachable once the cluster is lost)
+            if self.launch.reservation_prefix and not self.group.watch.lost:
                 release_named(self.launch.reservation_prefix)
             self.group = None

@@ -6,7 +6,8 @@ back to OpenSlide when tiffslide cannot read the file and ``openslide`` is impor
 
 Coordinates follow OpenSlide: ``(x, y)`` are level-0 pixel positions of the top-left corner, sizes are
 ``(width, height)`` in pixels of the level read. Pixels come back as uint8 RGB arrays [h, w, 3]; grey
-slides are repeated to three channels and transparent pixels (OpenSlide's regions without data) are white.
+slides are repeated to three channels, transparent pixels inside the slide (OpenSlide's regions without
+data) are white, and pixels outside the slide are black with either backend.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ class Slide:
     def read_region(self, xy: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
         """uint8 RGB [h, w, 3] of the region whose top-left is level-0 ``xy``, ``size=(w, h)`` at ``level``.
 
-        Parts outside the slide read as black (value 0), as in tiffslide's padding.
+        Parts outside the level's bounds read as black (value 0) with every backend (tiffslide pads with
+        black, OpenSlide returns them transparent, which would be white); level pixel ``floor(x / d)``
+        is the first column read, as both backends place it.
         """
         self._check_level(level)
         w, h = int(size[0]), int(size[1])
@@ -124,7 +127,21 @@ class Slide:
         arr = _as_rgb(arr, self.path)
         if arr.shape[:2] != (h, w):
             raise SlideReadError(self.path, f"backend returned {arr.shape[:2]} for a {h}x{w} region")
-        return arr
+        return self._black_outside(arr, int(xy[0]), int(xy[1]), level)
+
+    def _black_outside(self, arr: np.ndarray, x: int, y: int, level: int) -> np.ndarray:
+        """``arr`` with the pixels outside the level's bounds set to 0."""
+        ds = self.level_downsamples[level]
+        lw, lh = self.level_dimensions[level]
+        lx, ly = math.floor(x / ds + 1e-9), math.floor(y / ds + 1e-9)
+        h, w = arr.shape[:2]
+        x0, x1 = min(w, max(0, -lx)), max(0, min(w, lw - lx))
+        y0, y1 = min(h, max(0, -ly)), max(0, min(h, lh - ly))
+        if (x0, x1, y0, y1) == (0, w, 0, h):
+            return arr
+        out = np.zeros_like(arr)
+        out[y0:y1, x0:x1] = arr[y0:y1, x0:x1]
+        return out
 
     def thumbnail(self, max_size: int = 1024) -> np.ndarray:
         """uint8 RGB [th, tw, 3] of the whole slide, the longer side ``min(max_size, level-0 side)``.

@@ -109,21 +109,67 @@ def test_docker_shm_token_auth_and_images(name):
     shm = re.search(r"--shm-size=(\d+)g", options)
     assert shm and int(shm.group(1)) >= 8  # Ray's object store lives in /dev/shm
     assert "-e RAY_AUTH_MODE=token" in options
-    token = Path(re.search(r"-e RAY_AUTH_TOKEN_PATH=(\S+)", options).group(1))
-    assert str(token.parent) in config["file_mounts"]  # the token file reaches every container
+    # the token reaches every node (container) at Ray's default place, where every Ray process reads it
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.dpgs/ray-auth/token"
     docs = (ROOT / "docs" / "cluster.md").read_text()
+    assert "ray get-auth-token --generate > ~/.dpgs/ray-auth/token" in docs
     images = {v for k, v in config["docker"].items() if k.endswith("image")}
     assert images and all(f"docker push {image}" in docs for image in images)
     assert config["file_mounts"]["/opt/dpgs-src"] == "."
 
 
+def start_params(config: dict, key: str) -> dict:
+    (start,) = [c for c in commands(config[key]) if c[:2] == ["ray", "start"]]
+    return ray_start.make_context("start", start[2:]).params
+
+
+def test_on_premise_config_starts_without_docker():
+    """What `ray up` without the docker section needs (issue 21, found on the lab): token auth and the
+    autoscaler v1 set by the start commands themselves, the head's address given (no default route: Ray
+    would advertise 127.0.0.1), no bag workers on the head, and worker nodes that stop with their head."""
+    config = load("cluster.yaml")
+    head, workers = config["head_start_ray_commands"], config["worker_start_ray_commands"]
+    assert all("export RAY_AUTH_MODE=token" in " ".join(cmds) for cmds in (head, workers))
+    assert "RAY_enable_autoscaler_v2=0" in " ".join(head)
+    params = start_params(config, "head_start_ray_commands")
+    assert params["node_ip_address"] == config["provider"]["head_ip"] == "HEAD_IP"
+    assert params["num_cpus"] == 0
+    watcher = [c for c in commands(workers) if c[:3] == ["nohup", "python3", "-m"]]
+    assert watcher and watcher[0][3:5] == ["dpgs.nodewatch", "$RAY_HEAD_IP:6379"]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_setup_commands_have_a_torch_build_without_the_image(name):
+    """Without the image's TORCH_SPEC/TORCH_INDEX_URL the torch install used an empty index URL, which pip
+    warns about and skips (exit 0): the setup command falls back to the image's defaults."""
+    import subprocess
+
+    (torch_line,) = [c for c in load(name)["setup_commands"] if "$TORCH_SPEC" in c]
+    setup = torch_line.split(";")[0]
+    env = {"PATH": "/usr/bin:/bin"}
+    out = subprocess.run(["bash", "-c", f'{setup}; echo "$TORCH_SPEC $TORCH_INDEX_URL"'], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == [docker_args()["TORCH_SPEC"], docker_args()["TORCH_INDEX_URL"]]
+    env.update(TORCH_SPEC="torch==9", TORCH_INDEX_URL="https://example.org/simple")  # the image's win
+    out = subprocess.run(["bash", "-c", f'{setup}; echo "$TORCH_SPEC $TORCH_INDEX_URL"'], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["torch==9", "https://example.org/simple"]
+
+
+def final_stage() -> list[tuple[str, str]]:
+    """The steps of the image's own stage (from its ``FROM ${BASE_IMAGE}`` on)."""
+    steps = dockerfile()
+    return steps[steps.index(("FROM", "${BASE_IMAGE}")):]
+
+
 def test_dockerfile_builds_cuda_by_default_and_cpu_by_argument():
     steps = dockerfile()
     assert steps[0] == ("ARG", "BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04")
-    assert steps[1] == ("FROM", "${BASE_IMAGE}")
+    assert [rest for op, rest in steps if op == "FROM"] == ["scratch AS torch-wheels", "${BASE_IMAGE}"]
     docs = (ROOT / "docs" / "cluster.md").read_text()
     used = set(re.findall(r"--build-arg (\w+)=", docs))
-    assert used == {"BASE_IMAGE", "TORCH_INDEX_URL"} and used <= set(docker_args())
+    assert used == {"BASE_IMAGE", "TORCH_INDEX_URL", "TORCH_WHEELS"} and used <= set(docker_args())
+    assert docker_args()["TORCH_WHEELS"] == ""  # by default torch comes from TORCH_INDEX_URL
     env = next(rest for op, rest in steps if op == "ENV")
     assert "TORCH_SPEC=${TORCH_SPEC}" in env and "TORCH_INDEX_URL=${TORCH_INDEX_URL}" in env
 
@@ -146,8 +192,18 @@ def test_dockerfile_and_configs_install_like_the_readme():
     assert pins == {"torch==2.13.0"}
 
 
+def test_local_wheels_are_mounted_never_copied_into_the_image():
+    image = final_stage()
+    assert not any(op == "COPY" and "torch-wheels" in rest for op, rest in image)
+    torch = next(rest for op, rest in image if op == "RUN" and "$TORCH_SPEC" in rest)
+    assert torch.startswith("--mount=type=bind,from=torch-wheels,target=/wheels ")
+    assert "PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheels" in torch  # set only when TORCH_WHEELS is given
+    ignored = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split()
+    assert {".venv", ".image-cache/base", ".image-cache/docker"} <= set(ignored)
+
+
 def test_dockerfile_installs_torch_before_copying_dpgs():
-    steps = dockerfile()
+    steps = final_stage()
     torch = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and "$TORCH_SPEC" in rest)
     first_copy = next(i for i, (op, _) in enumerate(steps) if op == "COPY")
     dpgs = next(i for i, (op, rest) in enumerate(steps) if op == "RUN" and rest.endswith("pip install ."))

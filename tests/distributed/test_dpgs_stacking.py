@@ -11,8 +11,8 @@ import pytest
 import ray
 import torch
 
+from dpgs.distributed.failures import WorkerFailure
 from dpgs.distributed.frames import HEADER as FRAME_HEADER
-from dpgs.distributed.rank_group import WorkerFailure
 from dpgs.modeling import ModelSpec
 from dpgs.runner import run_training
 from dpgs.train.local_engine import LocalEngine
@@ -293,3 +293,30 @@ def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, bags, tmp_pa
         assert all(epoch["link_mbps_worker_0"] == pytest.approx(mbps, rel=0.5) for epoch in stats)
         assert stats[1]["compression_ratio"] > 5
     assert all(torch.equal(r.params, master.params) for r in replicas)
+
+
+class SpecThatCannotImport(ModelSpec):
+    """What a worker on a node with a broken install meets when it builds its replica."""
+
+    def build(self):
+        raise ModuleNotFoundError("No module named 'dpgs.workers'")
+
+
+def test_workers_that_cannot_start_are_one_error_line_and_leave_nothing(ray_cluster, bags, tmp_path):
+    from ray.util.placement_group import placement_group_table
+
+    from dpgs.errors import RunFailure
+
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2")
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    broken = SpecThatCannotImport(spec.cfg, spec.in_dim, spec.num_classes)
+    before = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+    with pytest.raises(RunFailure) as failure:
+        with dpgs_engine(config, broken, model, data.dataset, data.splits[0].train):
+            pass
+    message = str(failure.value)
+    assert message.startswith("the DPGS workers could not start")
+    assert "ModuleNotFoundError: No module named 'dpgs.workers' (node " in message
+    assert "\n" not in message
+    assert {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"} <= before

@@ -159,11 +159,11 @@ def test_real_slide_tiles_trained_end_to_end_on_the_cluster(lab, user, results):
     import tiffslide
 
     from dpgs.wsi.synthetic import write_pyramid_tiff
-    from tests.real_slide import cmu_small_region
+    from tests.real_slide import real_slide_path
 
     root = lab.data / "cmu"
     (root / "slides").mkdir(parents=True, exist_ok=True)
-    with tiffslide.TiffSlide(cmu_small_region()) as slide:
+    with tiffslide.TiffSlide(real_slide_path()) as slide:
         width, height = slide.dimensions
         image = np.asarray(slide.read_region((0, 0), 0, (width, height)).convert("RGB"))
         mpp = float(slide.properties["tiffslide.mpp-x"])

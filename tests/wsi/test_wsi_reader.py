@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpgs.wsi.reader import SlideReadError, open_slide, openslide_available
+from dpgs.wsi.reader import Slide, SlideReadError, open_slide, openslide_available
 from dpgs.wsi.synthetic import pyramid_levels, write_pyramid_tiff
 
 
@@ -97,3 +97,25 @@ def test_openslide_matches_tiffslide(svs_like):
         np.testing.assert_array_equal(
             a.read_region((10, 20), 1, (40, 30)), b.read_region((10, 20), 1, (40, 30))
         )
+
+
+
+class WhiteSlide(Slide):
+    """A backend that returns white everywhere, as OpenSlide returns transparent pixels off the slide."""
+
+    def __init__(self):
+        super().__init__("white.svs", [(100, 60), (50, 30)], [1.0, 2.0], None, None)
+
+    def _read(self, x, y, level, w, h):
+        return np.full((h, w, 4), 255, dtype=np.uint8)
+
+
+def test_outside_the_slide_is_black_whatever_the_backend_returns():
+    slide = WhiteSlide()
+    inside = slide.read_region((10, 10), 0, (20, 20))
+    assert (inside == 255).all()
+    right = slide.read_region((90, 50), 0, (16, 16))  # 10 columns and 10 rows inside
+    assert (right[:10, :10] == 255).all() and (right[10:] == 0).all() and (right[:, 10:] == 0).all()
+    left = slide.read_region((-6, -4), 1, (8, 8))  # level 1: level pixel floor(-6 / 2) = -3, -2
+    assert (left[2:, 3:] == 255).all() and (left[:2] == 0).all() and (left[:, :3] == 0).all()
+    assert (slide.read_region((200, 0), 0, (4, 4)) == 0).all()  # wholly outside
