@@ -2,10 +2,12 @@
 
     python benchmarks/bandwidth.py --quick                 # tiles: s/step and bytes at 100 Mbps and 1 Gbps,
                                                            # every method, a few steps (bandwidth.json)
-    python benchmarks/bandwidth.py --workload features     # ABMIL on feature bags: loopback, 100 Mbps, 1 Gbps,
+    python benchmarks/bandwidth.py --workload features     # ABMIL on feature bags: loopback, 100 Mbps,
+                                                           # 1 Gbps,
                                                            # whole runs (time to target, test AUC)
     python benchmarks/bandwidth.py --workload tiles        # the same for the ResNet-18 tile encoder
     python benchmarks/bandwidth.py --report                # docs/benchmarks/bandwidth.md tables + PNGs
+                                                           # (--out ROWS.json: that file's rows only)
 
 Every row trains the same data, model, seed, batch and epochs (``bandwidth_workloads``) with one method:
 ``ddp`` (torch DDP, gloo all-reduce, dense), ``ddp-powersgd`` (DDP with torch's PowerSGD hook, rank 4),
@@ -82,8 +84,10 @@ def derive(rows: list[dict], targets: dict[str, float]) -> list[dict]:
     """Fill the fields computed across rows: DDP's compute (the DPGS rows' on the same link), the dense
     exchange / compute of the link, the validation target and the time to reach it, test AUC."""
     for r in rows:
-        same = [o for o in rows if (o["workload"], o["link"], o["workers"]) == (r["workload"], r["link"], r["workers"])]
-        dpgs_compute = sorted(o["compute_s"] for o in same if o["method"].startswith("dpgs") and o.get("compute_s"))
+        where = (r["workload"], r["link"], r["workers"])
+        same = [o for o in rows if (o["workload"], o["link"], o["workers"]) == where]
+        dpgs_compute = sorted(o["compute_s"] for o in same
+                              if o["method"].startswith("dpgs") and o.get("compute_s"))
         if r["method"].startswith("ddp"):
             r["compute_s"] = dpgs_compute[len(dpgs_compute) // 2] if dpgs_compute else None
             r["compute_source"] = "median of the DPGS rows' compute on this link" if dpgs_compute else None
@@ -137,7 +141,8 @@ def run_rows(site, w, methods: list[str], workers: int, repeats: int, out: Path,
     with site.sampler() as sampler:
         for repeat in range(repeats):
             for method in methods:
-                row_id = f"{w.key}{'-quick' if w.quick else ''}-{site.link.name}-{method}-P{workers}-r{repeat}"
+                mode = "-quick" if w.quick else ""
+                row_id = f"{w.key}{mode}-{site.link.name}-{method}-P{workers}-r{repeat}"
                 try:
                     row = run_row(site, w, method, row_id, sampler, workers, timeout_s, log)
                 except RowFailed as err:
@@ -147,10 +152,12 @@ def run_rows(site, w, methods: list[str], workers: int, repeats: int, out: Path,
                 row.update(repeat=repeat, quick=w.quick)
                 rows = merge(load_rows(out), row)
                 save_rows(out, rows, target)
-                log(f"[{row_id}] step {row['step_s']:.3f} s (compute {row['compute_s'] or float('nan'):.3f} s), "
-                    f"wire {row['wire_bytes_per_step'] / 1e6:.3f} MB/step"
-                    + (f", dpgs {row['dpgs_bytes_per_step'] / 1e6:.3f} MB/step" if row.get("dpgs_bytes_per_step")
-                       else "")
+                nan = float("nan")
+                own, wire = row.get("dpgs_bytes_per_step"), row.get("wire_bytes_per_step")
+                log(f"[{row_id}] step {row['step_s'] or nan:.3f} s "
+                    f"(compute {row['compute_s'] or nan:.3f} s), "
+                    f"wire {(wire or nan) / 1e6:.3f} MB/step"
+                    + (f", dpgs {own / 1e6:.3f} MB/step" if own else "")
                     + f", load {row['load1_before']}->{row['load1_after']}, workers on {row['worker_ips']}")
     return failed
 
@@ -232,14 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         from bandwidth_report import main as report
 
-        return report()
+        return report([str(args.out)] if args.out else [])
     if args.quick:
         args.workload = "tiles"
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {', '.join(unknown)} (have {', '.join(METHODS)})")
-    links = [Link.parse(x) for x in (args.links or ",".join(QUICK_LINKS if args.quick else FULL_LINKS)).split(",")]
+    names = args.links or ",".join(QUICK_LINKS if args.quick else FULL_LINKS)
+    links = [Link.parse(x) for x in names.split(",")]
     args.out = args.out or (Path("bandwidth.json") if args.quick else
                             ROOT / "docs" / "benchmarks" / f"bandwidth-{args.workload}.json")
     if os.geteuid() != 0:
@@ -253,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     shaped = [link for link in links if link.rate_mbit is not None]
     if shaped:
         failed += run_lab(args, w, shaped)
-    log(f"done in {time.monotonic() - start:.0f} s; rows in {args.out}" + (f"; {failed} failed" if failed else ""))
+    log(f"done in {time.monotonic() - start:.0f} s; rows in {args.out}"
+        + (f"; {failed} failed" if failed else ""))
     return 1 if failed else 0
 
 

@@ -118,7 +118,10 @@ def train(args, overrides: list[str]) -> dict | None:
         epoch_start = time.perf_counter()
         batches = epoch_batches(split.train, cfg.batch_size, config.seed, epoch)
         mine = [[batch[p] for p in assign_lpt([lengths[i] for i in batch], world)[rank]] for batch in batches]
-        read = lambda s: [dataset.get(i, epoch) for i in mine[s]]  # noqa: E731
+
+        def read(s: int, mine=mine, epoch=epoch) -> list:
+            return [dataset.get(i, epoch) for i in mine[s]]
+
         ahead = reader.submit(read, 0)
         loss_sum = 0.0
         for s, batch in enumerate(batches):

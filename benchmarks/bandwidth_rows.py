@@ -159,7 +159,8 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
     last = bytes_check[-1]
     history = [{k: metrics[k][e] for k in EPOCH_KEYS if e in metrics.get(k, {})} | {"epoch": e}
                for e in sorted(metrics.get("elapsed_seconds", {}))]
-    links = {k: v for k, v in metrics.items() if k.startswith(("link_mbps_worker_", "link_latency_ms_worker_"))}
+    links = {k: v for k, v in metrics.items()
+             if k.startswith(("link_mbps_worker_", "link_latency_ms_worker_"))}
     row = {
         "method": method, "run_status": status, "started": started, "load1_before": load_before,
         "load1_after": _load(), "wall_s": time.time() - started,
@@ -177,7 +178,8 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
         "probes": record["probes"],
     }
     if method == "dpgs-auto":
-        row["auto_keep_ratio"] = [metrics["auto_keep_ratio"][e] for e in sorted(metrics.get("auto_keep_ratio", {}))]
+        chosen = metrics.get("auto_keep_ratio", {})
+        row["auto_keep_ratio"] = [chosen[e] for e in sorted(chosen)]
         row["auto_figures"] = {k: metrics[k] for k in ("auto_compute_seconds", "auto_dense_exchange_seconds",
                                                        "auto_exchange_seconds", "auto_dense_exchange_share")
                                if k in metrics} | links

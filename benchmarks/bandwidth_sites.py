@@ -137,7 +137,8 @@ class LabSite:
         self._sh("head", f"ray start --head --node-ip-address={head} --port={RAY_PORT} --num-cpus=0 "
                  f"--include-dashboard=false {common}")
         for w in self.workers:
-            self._sh(w, f"ray start --address={head}:{RAY_PORT} --node-ip-address={self.lab.hosts[w].address} "
+            address = self.lab.hosts[w].address
+            self._sh(w, f"ray start --address={head}:{RAY_PORT} --node-ip-address={address} "
                      f"--num-cpus=1 {common}")
         deadline = time.monotonic() + 300
         check = ("import ray; ray.init(address='auto', log_to_driver=False); "
@@ -227,7 +228,8 @@ class LoopbackSite:
 
     def start_ddp_rank(self, rank: int, argv: list[str]) -> subprocess.Popen:
         return subprocess.Popen(argv, cwd=ROOT, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, bufsize=1, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+                                stderr=subprocess.STDOUT, bufsize=1,
+                                env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
 
     def ddp_master(self) -> str:
         return "127.0.0.1"

@@ -59,7 +59,7 @@ class Workload:
         return "manifest-quick.csv" if self.quick else "manifest.csv"
 
 
-QUICK_SPLITS = {"train": 10, "val": 2, "test": 2}  # tiles --quick: 5 steps of B = 2 (and both classes)
+QUICK_SPLITS = {"train": 8, "val": 2, "test": 2}  # tiles --quick: 4 steps of B = 2 (and both classes)
 
 
 def workload(key: str, quick: bool = False, epochs: int | None = None, workers: int = 2) -> Workload:
@@ -107,8 +107,8 @@ def prepare(w: Workload, cache: Path, log=print) -> Path:
             shutil.rmtree(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
         if w.key == "tiles":
-            _run([dpgs_cli(), "demo-data", str(folder), "--kind", "slides", "--bags", str(w.bags), "--seed", "0"],
-                 log)
+            _run([dpgs_cli(), "demo-data", str(folder), "--kind", "slides", "--bags", str(w.bags),
+                  "--seed", "0"], log)
             _run([dpgs_cli(), "tile", str(folder / "slides"), str(folder / "tiles"), "--tile-size", "112",
                   "--level", "0", "--no-progress"], log)
         else:
