@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -129,6 +130,12 @@ class LabSite:
         self.local_root = lab.data / "bw"
         self.site_root = "/data/bw"
         self.local_root.mkdir(parents=True, exist_ok=True)
+        # Ray's token authentication, as docs/cluster.md sets it up: one token every host reads (the
+        # hosts' home folders are their own, so a token Ray generates on one host is unknown to the others)
+        token = self.local_root / "ray-auth-token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": f"{self.site_root}/ray-auth-token"}
 
     # ---------------------------------------------------------------- Ray
     def start_ray(self, log) -> None:
@@ -144,7 +151,7 @@ class LabSite:
         check = ("import ray; ray.init(address='auto', log_to_driver=False); "
                  "print(sum(1 for n in ray.nodes() if n['Alive']))")
         while time.monotonic() < deadline:
-            out = self.lab.run("head", ["python", "-c", check], check=False, timeout=120)
+            out = self.lab.run("head", ["python", "-c", check], check=False, timeout=120, env=self.env)
             if out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(1 + len(self.workers))]:
                 log(f"[lab] Ray: head and {len(self.workers)} worker nodes alive")
                 return
@@ -153,12 +160,12 @@ class LabSite:
 
     def stop_ray(self) -> None:
         for host in ["head", *self.workers]:
-            self.lab.run(host, "ray stop --force >/dev/null 2>&1", check=False, timeout=120)
+            self.lab.run(host, "ray stop --force >/dev/null 2>&1", check=False, timeout=120, env=self.env)
 
     def _sh(self, host: str, command: str) -> None:
         # output to a file of the host: the daemons Ray starts must not hold a pipe of ours open
         result = self.lab.run(host, f"ulimit -n 65536; {command} >/tmp/ray-start.log 2>&1", check=False,
-                              timeout=300)
+                              timeout=300, env=self.env)
         if result.returncode != 0:
             log = self.lab.path_on(host, "/tmp/ray-start.log")
             raise LabError(f"on {host}: {command} failed: {log.read_text()[-3000:] if log.exists() else ''}")
@@ -189,7 +196,8 @@ class LabSite:
         return ["dpgs.address=auto"]
 
     def start_driver(self, argv: list[str]) -> subprocess.Popen:
-        return self.lab.popen("head", argv, cwd=str(ROOT))
+        env = [f"{k}={v}" for k, v in self.env.items()]
+        return self.lab.popen("head", ["env", *env, *argv], cwd=str(ROOT))
 
     def start_ddp_rank(self, rank: int, argv: list[str]) -> subprocess.Popen:
         return self.lab.popen(self.workers[rank], ["env", "GLOO_SOCKET_IFNAME=eth0", *argv], cwd=str(ROOT))
