@@ -57,7 +57,7 @@ from dpgs.train.trainer import is_improvement, seed_everything
 POWERSGD_START = 2  # torch's PowerSGDState needs start_powerSGD_iter > 1 with error feedback / warm start
 
 
-def ordered_powersgd_hook(state, bucket) -> torch.futures.Future:
+def ordered_powersgd_hook(state, bucket):  # no annotations: DDP refuses any but the evaluated Future[Tensor]
     """torch's PowerSGD hook, finished before the next bucket's starts.
 
     The hook issues its second and third all-reduces (P, then Q) from the callbacks of the previous one,
