@@ -79,6 +79,9 @@ def auto_choice(rows: list[dict]) -> str | None:
         seq = r.get("auto_keep_ratio") or r.get("keep_ratios")
         if seq:
             text = " → ".join(f"{v:g}" for v in _dedupe(seq))
+            share = (r.get("auto_figures") or {}).get("auto_dense_exchange_share") or {}
+            if share:  # what auto measured first: dense exchange / compute
+                text += f" (measured dense exchange {share[min(share, key=int)]:.2f}x compute)"
             if text not in seqs:
                 seqs.append(text)
     return " | ".join(seqs) if seqs else None

@@ -92,7 +92,8 @@ def quick_rows() -> list[dict]:
             dpgs_bytes_per_step=1.0e6),
         row("dpgs-keep1", quick=True, repeat=2, step_s=8.8, compute_s=7.9, wire_bytes_per_step=1.0e6,
             dpgs_bytes_per_step=1.0e6),
-        row("dpgs-auto", quick=True, step_s=8.5, compute_s=8.0, auto_keep_ratio=[1.0, 0.01, 0.01]),
+        row("dpgs-auto", quick=True, step_s=8.5, compute_s=8.0, auto_keep_ratio=[1.0, 0.01, 0.01],
+            auto_figures={"auto_dense_exchange_share": {"2": 0.5, "1": 0.04}}),
     ]
 
 
@@ -107,7 +108,7 @@ def test_summary_takes_medians_and_ratios():
     assert keep1["wire_mb"] == pytest.approx(1.1) and keep1["wire_over_dpgs"] == pytest.approx(1.1)
     assert lines["dpgs-dense"]["dense_exchange_over_compute"] == pytest.approx(0.5)
     assert lines["ddp"]["compute_s"] == 8.0  # the DPGS rows' median compute
-    assert lines["dpgs-auto"]["auto"] == "1 → 0.01"
+    assert lines["dpgs-auto"]["auto"] == "1 → 0.01 (measured dense exchange 0.04x compute)"
     assert [m["method"] for m in summarize(quick_rows())] == [
         "ddp", "ddp-powersgd", "dpgs-dense", "dpgs-keep1", "dpgs-auto"]
 
