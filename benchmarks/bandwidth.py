@@ -148,6 +148,8 @@ def run_rows(site, w, methods: list[str], workers: int, repeats: int, out: Path,
                 except RowFailed as err:
                     log(f"[{row_id}] FAILED: {err}")
                     failed += 1
+                    if hasattr(site, "after_failure"):
+                        site.after_failure(row_id, log)
                     continue
                 row.update(repeat=repeat, quick=w.quick)
                 rows = merge(load_rows(out), row)
@@ -199,7 +201,7 @@ def run_lab(args, w, links: list[Link]) -> int:
     failed = 0
     log(f"[lab] up: head + {args.workers} worker hosts")
     with Lab.up(workers=args.workers) as lab:
-        site = LabSite(lab, args.workers, shape_head=not args.unshaped_head)
+        site = LabSite(lab, args.workers, shape_head=not args.unshaped_head, keep_dir=args.cache / "lab-logs")
         shutil.copytree(args.cache / w.key, site.local_root / w.key, dirs_exist_ok=True)
         site.start_ray(log)
         try:

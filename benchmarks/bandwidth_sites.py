@@ -122,13 +122,14 @@ class LabSite:
     """Rows on the lab's hosts (module docstring). ``data`` is the lab's shared folder on this machine;
     the hosts see it as ``/data``."""
 
-    def __init__(self, lab: Lab, workers: int, shape_head: bool):
+    def __init__(self, lab: Lab, workers: int, shape_head: bool, keep_dir: Path | None = None):
         self.lab = lab
         self.workers = lab.workers[:workers]
         self.shape_head = shape_head
         self.link = Link(None)
         self.local_root = lab.data / "bw"
         self.site_root = "/data/bw"
+        self.keep_dir = keep_dir or ROOT / "runs" / "bandwidth" / "lab-logs"
         self.local_root.mkdir(parents=True, exist_ok=True)
         # Ray's token authentication, as docs/cluster.md sets it up: one token every host reads (the
         # hosts' home folders are their own, so a token Ray generates on one host is unknown to the others)
@@ -157,6 +158,33 @@ class LabSite:
                 return
             time.sleep(3)
         raise LabError(f"Ray nodes did not all join within 300 s: {out.stdout[-500:]} {out.stderr[-1500:]}")
+
+    def ray_alive(self) -> bool:
+        """Whether the head and every worker node are alive in Ray (one ``ray.init`` on the head)."""
+        check = ("import ray; ray.init(address='auto', log_to_driver=False); "
+                 "print(sum(1 for n in ray.nodes() if n['Alive']))")
+        out = self.lab.run("head", ["python", "-c", check], check=False, timeout=120, env=self.env)
+        return out.returncode == 0 and out.stdout.strip().splitlines()[-1:] == [str(1 + len(self.workers))]
+
+    def after_failure(self, row_id: str, log) -> None:
+        """After a failed row: keep the tails of the hosts' Ray logs (``keep_dir``: the lab's own folders
+        go with it), and start Ray again when a node of it is gone, so that the next rows can run."""
+        self.keep_dir.mkdir(parents=True, exist_ok=True)
+        with (self.keep_dir / f"{row_id}.ray-logs.txt").open("w") as out:
+            for host in ["head", *self.workers]:
+                logs = self.lab.path_on(host, "/tmp/ray/session_latest/logs")
+                for name in ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err", "monitor.log"):
+                    f = logs / name
+                    if f.is_file():
+                        lines = f.read_text(errors="replace").splitlines()[-80:]
+                        out.write(f"===== {host}: {name} (last {len(lines)} lines)\n")
+                        out.write("\n".join(lines) + "\n")
+        if self.ray_alive():
+            return
+        log(f"[lab] Ray lost a node during {row_id} (its logs: {self.keep_dir / f'{row_id}.ray-logs.txt'}); "
+            "starting it again")
+        self.stop_ray()
+        self.start_ray(log)
 
     def stop_ray(self) -> None:
         for host in ["head", *self.workers]:
