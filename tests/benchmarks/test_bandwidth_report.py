@@ -125,6 +125,7 @@ def test_table_renders_the_measured_figures_and_dashes():
     assert cells[12:14] == ["–", "–"]  # quick: no time to target, no test AUC
     ddp = [c.strip() for c in next(line for line in lines if "| ddp |" in line).strip("|").split("|")]
     assert ddp[9] == "–" and ddp[10] == "–"  # DDP has no dpgs count
+    assert ddp[4:6] == ["8.00*", "–"]  # the DPGS rows' compute, marked; no ratio of its own
     assert "1 → 0.01" in next(line for line in lines if "dpgs-auto" in line)
 
 
