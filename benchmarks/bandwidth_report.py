@@ -173,7 +173,8 @@ def render_table(lines: list[dict]) -> str:
         out.append("| " + " | ".join([
             m["link"], m["method"], str(m["repeats"]), _f(m["step_s"]),
             _f(m["compute_s"], 2, "*" if m["compute_source"] else ""),
-            "–" if m["compute_source"] else _f(m["step_over_compute"], 2, "x"), _f(m["over_ddp"], 2, "x"), _f(m["over_ddp-powersgd"], 2, "x"),
+            "–" if m["compute_source"] else _f(m["step_over_compute"], 2, "x"),
+            _f(m["over_ddp"], 2, "x"), _f(m["over_ddp-powersgd"], 2, "x"),
             _f(m["wire_mb"], 2), _f(m["dpgs_mb"], 2), _f(m["wire_over_dpgs"], 3),
             _f(m["dense_exchange_over_compute"], 2), _time_to(m), _auc(m), m["auto"] or "",
         ]) + " |")
@@ -217,10 +218,11 @@ Written by `python benchmarks/bandwidth.py --report` from the rows files of `ben
 (`benchmarks/bandwidth_report.py`; the columns are described in its docstring). Medians over the runs
 (repeats) of a line. `–`: not measured (a `--quick` row measures step times and bytes only). DDP rows
 have no compute time of their own (the backward overlaps the all-reduce): their `compute s` is the
-median of the DPGS rows' on the same link (marked `*`; no step / compute for them). `wire MB/step`: rx + tx of the worker hosts' interfaces
-during the steps (loopback: bytes sent on `lo`); `dpgs MB/step`: dpgs's `comm_bytes_per_step` (up +
-down payloads) of the same steps. `dense exchange / compute`: `dpgs-dense`'s (step - compute) /
-compute on that link.
+median of the DPGS rows' on the same link (marked `*`; no step / compute for them). `wire MB/step`:
+rx + tx of the worker hosts' interfaces during the steps (loopback: bytes sent on `lo`); a byte between
+the head and a worker counts once, a byte between two workers (DDP's ring) twice. `dpgs MB/step`:
+dpgs's `comm_bytes_per_step` (up + down payloads) of the same steps. `dense exchange / compute`:
+`dpgs-dense`'s (step - compute) / compute on that link.
 
 """
 
