@@ -1,0 +1,75 @@
+"""``dpgs train`` with a record of its chunks of steps: how the bandwidth benchmark runs a DPGS row.
+
+    python benchmarks/bandwidth_driver.py RECORD.json train --config ... [overrides]
+
+Runs dpgs's own command line (``dpgs.cli.main``) in this process, with one difference: the session's
+rank group is a :class:`RecordingGroup`, which writes to RECORD.json, after every chunk of steps and
+every link probe, its wall-clock start and end (``time.time()``, the clock of the benchmark's interface
+counter sampler, shared by every network namespace of the machine) and the ranks' step reports (the
+master's step seconds and bytes, each worker's compute seconds and bytes up and down). The counters
+between a chunk's start and end are the chunk's traffic: its steps, without the run's start-up, the fold
+start's weights, link probes, evaluations and checkpoints. Nothing else of the run changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import dpgs.distributed.session as session
+from dpgs.cli import main as dpgs_main
+from dpgs.distributed.rank_group import RankGroup
+
+
+class RecordingGroup(RankGroup):
+    """A :class:`RankGroup` that records its chunks and probes into ``RecordingGroup.path``."""
+
+    path: Path | None = None
+    chunks: list[dict] = []
+    probes: list[dict] = []
+
+    def run(self, plan):
+        start = time.time()
+        reports = super().run(plan)
+        end = time.time()
+        RecordingGroup.chunks.append({
+            "start": start, "end": end,
+            "epoch": plan.steps[0].epoch,
+            "steps": [s.index for s in plan.steps],
+            "keep_ratios": [s.keep_ratio for s in plan.steps],
+            "master": [dataclasses.asdict(m) for m in reports.master],
+            "workers": [{k: v for k, v in dataclasses.asdict(r).items() if k != "losses"}
+                        for r in reports.workers],
+        })
+        self._write()
+        return reports
+
+    def probe_links(self, sizes):
+        start = time.time()
+        probe = super().probe_links(sizes)
+        RecordingGroup.probes.append({"start": start, "end": time.time(), "sizes": list(sizes),
+                                      "seconds": [list(s) for s in probe.seconds]})
+        self._write()
+        return probe
+
+    def _write(self) -> None:
+        path = RecordingGroup.path
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"chunks": RecordingGroup.chunks, "probes": RecordingGroup.probes}))
+        os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[1] != "train":
+        sys.exit("usage: bandwidth_driver.py RECORD.json train [dpgs train arguments]")
+    RecordingGroup.path = Path(argv[0])
+    session.RankGroup = RecordingGroup  # the one rank group DpgsSession builds
+    return dpgs_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
