@@ -73,7 +73,7 @@ def _middle(rows: list[dict], key: str) -> dict | None:
 
 def auto_choice(rows: list[dict]) -> str | None:
     """The keep ratios ``dpgs-auto`` chose, per epoch (first repeat's sequence; repeats that differ are
-    listed after a ``|``)."""
+    listed after a ``;``)."""
     seqs = []
     for r in rows:
         seq = r.get("auto_keep_ratio") or r.get("keep_ratios")
@@ -84,7 +84,7 @@ def auto_choice(rows: list[dict]) -> str | None:
                 text += f" (measured dense exchange {share[min(share, key=int)]:.2f}x compute)"
             if text not in seqs:
                 seqs.append(text)
-    return " | ".join(seqs) if seqs else None
+    return "; ".join(seqs) if seqs else None
 
 
 def _dedupe(seq: list[float]) -> list[float]:
