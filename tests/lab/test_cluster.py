@@ -323,12 +323,21 @@ def test_fault_head_ray_killed_then_ray_up_and_resume(lab, user, healthy, clean,
     """Every Ray process of the head SIGKILLed in the middle of epoch 2 (the driver loses its cluster);
     `ray up` again, then `dpgs train --resume` continues from the last checkpoint."""
     overrides = [*EXACT, *SLOW_STEPS]
-    stream, at, _ = strike_mid_epoch(user, "fault-head-ray", overrides,
-                                     lambda: lab.kill("head", ray_processes(lab, "head")))
+    seen = {}
+
+    def strike():
+        watchers = [c for c in lab.processes("head").values() if "dpgs.runwatch" in c]
+        seen["run_watchers_on_head_at_the_kill"] = len(watchers)
+        lab.kill("head", ray_processes(lab, "head"))
+
+    stream, at, _ = strike_mid_epoch(user, "fault-head-ray", overrides, strike)
     rc, seconds = stream.finish()
     output = stream.output()
     outcome = {"struck_at_s": round(at, 1), "driver_ended_after_s": round(seconds, 1),
-               "exit_code": exit_code(output), "error": (error_lines(output) or ["(none)"])[-1][:300]}
+               "exit_code": exit_code(output), "error": (error_lines(output) or ["(none)"])[-1][:300],
+               **seen}
+    outcome["mlflow_status_after"] = mlflow_run(head_file(lab, "mlflow.db"), "fault-head-ray")["status"]
+    results.record("fault_head_ray_killed", outcome)  # before the checks: what happened, whatever it was
     assert outcome["exit_code"] != 0
     assert error_lines(output) and lab.hosts["head"].address in error_lines(output)[-1], output[-6000:]
     assert mlflow_run(head_file(lab, "mlflow.db"), "fault-head-ray")["status"] == "FAILED"
