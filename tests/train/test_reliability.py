@@ -37,6 +37,15 @@ def bags(tmp_path_factory):
     return write_bags(tmp_path_factory.mktemp("bags"), LENGTHS)
 
 
+def as_from_a_shell(argv: list[str]) -> list[str]:
+    """``argv`` started with SIGINT and SIGTERM at their defaults, as a shell starts a command (a process
+    that runs the tests in the background may have SIGINT ignored, and an ignored signal is inherited:
+    these tests are about dpgs's handlers, not about that)."""
+    reset = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "signal.signal(signal.SIGTERM, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+    return [sys.executable, "-c", reset, *argv]
+
+
 class EngineStarted(Exception):
     """Raised by :class:`NoEngineSession`: the run got past every check to the point of training."""
 
@@ -356,7 +365,8 @@ with signals_interrupt():
         time.sleep(5)
 print("survived")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(as_from_a_shell([sys.executable, "-c", script]), capture_output=True, text=True,
+                          timeout=60)
     assert done.stdout == "inner block finished\nouter block finished\ninterrupted by SIGTERM\n"
     assert done.returncode == -signal.SIGTERM
 
@@ -378,7 +388,8 @@ with signals_interrupt():
         time.sleep(5)
 print("survived")
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(as_from_a_shell([sys.executable, "-c", script]), capture_output=True, text=True,
+                          timeout=60)
     assert done.stdout == "interrupted by SIGTERM 143\n"
     assert done.returncode == -signal.SIGTERM
 
@@ -386,8 +397,8 @@ print("survived")
 def start_training(bags, out: Path, *overrides: str) -> subprocess.Popen:
     """``dpgs train`` in a subprocess, once its first epoch has ended (its stdout line is read)."""
     dpgs_cli = Path(sys.executable).parent / "dpgs"
-    proc = subprocess.Popen([str(dpgs_cli), *cli_args(bags, out, *overrides)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=out.parent)
+    proc = subprocess.Popen(as_from_a_shell([str(dpgs_cli), *cli_args(bags, out, *overrides)]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out.parent)
     deadline = time.monotonic() + 300
     for line in proc.stdout:
         if "epoch 1/" in line:
