@@ -53,9 +53,10 @@ def gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def head_lost_message(address: str, seconds: float) -> str:
-    return (f"the cluster's head (Ray GCS at {address}) has been unreachable for {seconds:.0f}s: its Ray "
-            "stopped or the network to it is cut")
+def head_lost_message(address: str, seconds: float | None = None) -> str:
+    """The error line's text for a lost head (``seconds``: how long it has been unreachable, if known)."""
+    since = "is unreachable" if seconds is None else f"has been unreachable for {seconds:.0f}s"
+    return f"the cluster's head (Ray GCS at {address}) {since}: its Ray stopped or the network to it is cut"
 
 
 class RunWatcher:

@@ -106,7 +106,7 @@ class DpgsEngine:
         self.lengths = setup.dataset.lengths()
         self.eval_dataset = setup.eval_dataset
         self.eval_lengths = setup.eval_dataset.lengths()  # every instance (eval datasets do not sample)
-        self.out_dir = Path(setup.output_dir)
+        self.out_dir = Path(setup.output_dir).resolve()  # the master writes there, from another directory
         self.hooks = EngineHooks()
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
@@ -196,7 +196,7 @@ class DpgsEngine:
         except MasterFailure as err:
             path = self.out_dir / CHECKPOINT_FILE
             last = f"resume from {path} with --resume" if path.is_file() else "no checkpoint was written yet"
-            raise MasterFailure(f"{err}; {last}") from err
+            raise type(err)(f"{err}; {last}") from err  # a ClusterLost stays one
         reports.master += done.master
         reports.workers += done.workers
         self.global_step = chunk[-1].index + 1

@@ -8,9 +8,12 @@ resumable from the run's last checkpoint.
 Why the head is watched: when the Ray GCS (the head) becomes unreachable, Ray ends the driver process
 after 60 s without running any Python, so the user would see the command vanish. :class:`GcsWatch`
 notices first: the driver's waits poll it and raise :class:`ClusterLost` naming the head's address after
-``GCS_LOST_S``. A driver blocked inside Ray once the head's raylet is gone (found on the lab: a driver on
-the head whose Ray was killed) runs no Python at all, so the run watcher process (``dpgs.runwatch``)
-also watches the head and ends such a driver with the same error line at 40 s.
+``GCS_LOST_S``. When the master actor dies (it runs on the head) or the group is released, the driver
+asks :meth:`GcsWatch.confirm_lost` first: with the GCS gone, a dead master is the lost head
+(:class:`ClusterLost` at once), and releasing actors would block inside Ray until Ray ends the process
+(found on the lab: the head's Ray killed, the master gone, the driver silent in ``ray.kill``). A driver
+blocked inside Ray anyway runs no Python at all, so the run watcher process (``dpgs.runwatch``) also
+watches the head and ends such a driver with the same error line at 40 s.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -53,32 +57,6 @@ def ray_error_summary(err: BaseException) -> str:
     return f"{cause} (node {ip.group(1)})" if ip else cause
 
 
-@contextmanager
-def ray_failures(what: str) -> Iterator[None]:
-    """Ray's own failures (an actor that died or could not start, a call past its deadline) as a
-    :class:`RunFailure` saying ``what`` failed, in one line instead of a Ray traceback."""
-    try:
-        yield
-    except GetTimeoutError as err:
-        raise RunFailure(f"{what}: no answer in time ({err})") from None
-    except RayActorError as err:
-        raise RunFailure(f"{what}: {ray_error_summary(err)}") from None
-
-
-def reports_ray_failures(what: str):
-    """Method decorator: :func:`ray_failures` around the whole call."""
-
-    def wrap(method):
-        @functools.wraps(method)
-        def call(self, *args, **kwargs):
-            with ray_failures(what):
-                return method(self, *args, **kwargs)
-
-        return call
-
-    return wrap
-
-
 class GcsWatch:
     """Watches the cluster's head while the driver waits: :meth:`poll` raises :class:`ClusterLost` once the
     GCS at ``address`` has been unreachable for ``grace_s`` in a row; :attr:`lost` says it happened
@@ -109,3 +87,45 @@ class GcsWatch:
         if now - self.unreachable_since >= self.grace_s:
             self.lost = True
             raise ClusterLost(head_lost_message(self.address, now - self.unreachable_since))
+
+    def confirm_lost(self) -> bool:
+        """Look at the GCS now (no grace period): True, and :attr:`lost` set, when it is unreachable. For the
+        moments where the group already failed or is being released."""
+        if not self.lost and not gcs_reachable(self.address):
+            self.lost = True
+        return self.lost
+
+
+@contextmanager
+def ray_failures(what: str, watch: GcsWatch | None = None) -> Iterator[None]:
+    """Ray's own failures (an actor that died or could not start, a call past its deadline) as a
+    :class:`RunFailure` saying ``what`` failed, in one line instead of a Ray traceback; as
+    :class:`ClusterLost` when ``watch`` finds the head unreachable at that moment."""
+    try:
+        yield
+    except (GetTimeoutError, RayActorError) as err:
+        if watch is not None and watch.confirm_lost():
+            raise ClusterLost(f"{head_lost_message(watch.address)} ({what} failed)") from None
+        if isinstance(err, GetTimeoutError):
+            raise RunFailure(f"{what}: no answer in time ({err})") from None
+        raise RunFailure(f"{what}: {ray_error_summary(err)}") from None
+
+
+class Watched(Protocol):
+    """What :func:`reports_ray_failures` decorates the methods of: an object that watches the head."""
+
+    watch: GcsWatch
+
+
+def reports_ray_failures(what: str):
+    """Method decorator (methods of a :class:`Watched`): :func:`ray_failures` around the whole call."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self: Watched, *args, **kwargs):
+            with ray_failures(what, self.watch):
+                return method(self, *args, **kwargs)
+
+        return call
+
+    return wrap

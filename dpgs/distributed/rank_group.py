@@ -27,6 +27,7 @@ from dpgs.config.schema import DpgsConfig
 from dpgs.distributed.actors import PlacedActors, get_all
 from dpgs.distributed.failures import (
     POLL_S,
+    ClusterLost,
     GcsWatch,
     MasterFailure,
     WorkerFailure,
@@ -43,6 +44,7 @@ from dpgs.distributed.runtime import ClusterError
 from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK
 from dpgs.errors import RunFailure
 from dpgs.records import Checkpoint
+from dpgs.runwatch import head_lost_message
 
 
 @dataclass
@@ -81,7 +83,7 @@ class RankGroup:
         self.mailbox = None
         self.fold = None  # object ref of the fold's start (sent again to restarted workers)
         self.watch = GcsWatch(ray.get_runtime_context().gcs_address)
-        with ray_failures("the DPGS master and workers could not form their group"):
+        with ray_failures("the DPGS master and workers could not form their group", self.watch):
             self.form()
 
     @property
@@ -192,6 +194,8 @@ class RankGroup:
             results, dead, errors = self._run_once(plan)
             for rank, result in results.items():
                 (reports.master if rank == MASTER_RANK else reports.workers).extend(result.steps)
+            if MASTER_RANK in dead:  # the workers' own errors then are its loss (a gloo peer gone)
+                self._master_lost()
             if errors:
                 rank, err = next(iter(errors.items()))
                 who = "master" if rank == MASTER_RANK else f"worker {rank - 1}"
@@ -246,15 +250,22 @@ class RankGroup:
     def _recover(self, dead: set[int]) -> int:
         """Restart what died, form the group again, resynchronise; returns the version to continue at."""
         if MASTER_RANK in dead:
-            raise MasterFailure(
-                f"the master actor died or stopped answering within dpgs.call_timeout_s={self.timeout:g}s"
-            )
+            self._master_lost()
         for rank in sorted(dead):
             self._await_restart(rank - 1)
         self.form()
         restarted = [self.workers.handles[rank - 1] for rank in sorted(dead)]
         self._get([w.start_fold.remote(self.fold) for w in restarted])
         return self.resync()
+
+    def _master_lost(self) -> None:
+        """Raise what a dead master means: the lost head (ClusterLost) when its GCS is unreachable now (the
+        master runs on the head), else a resumable MasterFailure."""
+        if self.watch.confirm_lost():
+            raise ClusterLost(f"{head_lost_message(self.watch.address)}; the master actor died with it")
+        raise MasterFailure(
+            f"the master actor died or stopped answering within dpgs.call_timeout_s={self.timeout:g}s"
+        )
 
     def _await_restart(self, worker: int) -> None:
         """Wait until Ray has restarted ``worker``; WorkerFailure past the restart limit."""
@@ -274,7 +285,7 @@ class RankGroup:
     def close(self) -> None:
         """Release the workers' own resources (their ranks), kill every actor, release the placements
         (nothing to release when the cluster is lost: its GCS is gone and every call would wait for it)."""
-        if self.watch.lost:
+        if self.watch.confirm_lost():
             return
         refs = self.workers.call("close")
         ray.wait(refs, num_returns=len(refs), timeout=min(self.timeout, 60.0))

@@ -86,10 +86,10 @@ class DpgsSession:
 
     def close(self) -> None:
         if self.group is not None:
-            if self.head_watched and not self.group.watch.lost:
-                WATCHER.head_closed()
             self.group.close()
             # reservations of workers that died without closing (none reachable once the cluster is lost)
             if self.launch.reservation_prefix and not self.group.watch.lost:
                 release_named(self.launch.reservation_prefix)
+            if self.head_watched and not self.group.watch.lost:  # watched until released: a release
+                WATCHER.head_closed()  # that blocks inside Ray (the head lost meanwhile) ends at 40 s
             self.group = None

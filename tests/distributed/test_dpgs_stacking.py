@@ -5,17 +5,21 @@ the master, fault tolerance, resume (residuals included), accumulation, k-fold r
 from __future__ import annotations
 
 import os
+import re
 import signal
+from pathlib import Path
 
 import pytest
 import ray
 import torch
 
-from dpgs.distributed.failures import WorkerFailure
+from dpgs.distributed.failures import ClusterLost, GcsWatch, MasterFailure, WorkerFailure
 from dpgs.distributed.frames import HEADER as FRAME_HEADER
 from dpgs.modeling import ModelSpec
+from dpgs.records import CHECKPOINT_FILE
 from dpgs.runner import run_training
 from dpgs.train.local_engine import LocalEngine
+from tests.distributed.test_failures import closed_address
 from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
 
 pytestmark = pytest.mark.ray
@@ -182,6 +186,42 @@ def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tm
         dpgs_run(config, data, [[0, 1, 2, 3]], after_submit=kill)
     checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
     assert checkpoint["driver"]["step_in_epoch"] == 0 and checkpoint["master"]["step"] == 0
+
+
+@pytest.mark.parametrize("head", ["answering", "unreachable"])
+def test_a_dead_master_is_a_master_failure_or_the_lost_head(ray_cluster, bags, tmp_path, head):
+    """The master actor killed mid-chunk: with the head's GCS answering, a resumable MasterFailure; with it
+    unreachable (the master runs on the head: the head's Ray died), ClusterLost at once, naming the head,
+    and nothing is released (every release would block inside Ray)."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.call_timeout_s=30", *EXACT, *DENSE)
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        answering = engine.group.watch
+        if head == "unreachable":  # what a driver on the head sees once the head's Ray is gone
+            engine.group.watch = GcsWatch(closed_address())
+        engine.group.hooks.after_submit = lambda group: ray.kill(group.master, no_restart=True)
+        with pytest.raises(MasterFailure, match="master actor died") as raised:
+            engine.run_epoch([[0, 1, 2, 3]], 1, [])
+        lost = isinstance(raised.value, ClusterLost)
+        assert lost == (head == "unreachable") == engine.group.watch.lost, raised.value
+        if lost:
+            head_lost = r"the cluster's head \(Ray GCS at 127\.0\.0\.1:\d+\) is unreachable"
+            assert re.match(head_lost, str(raised.value))
+        engine.group.watch = answering  # this test's cluster is there in fact: release the workers
+
+
+def test_a_relative_output_dir_is_the_drivers_also_for_the_master(ray_cluster, bags, tmp_path, monkeypatch):
+    """The master actor writes the checkpoint; a relative ``train.output_dir`` is the driver's (Ray starts
+    actors in another working directory: found on a cluster, where --resume then found no checkpoint)."""
+    monkeypatch.chdir(tmp_path)
+    config = make_config(*bags, Path("run"), "train.mode=dpgs", "dpgs.workers=2", *DENSE)
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        written = engine.checkpoint(1, 0, [])
+    assert written == tmp_path / "run" / CHECKPOINT_FILE and written.is_file()
 
 
 def test_accumulation_equals_the_larger_batch(ray_cluster, bags, tmp_path):

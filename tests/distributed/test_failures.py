@@ -6,7 +6,7 @@ import socket
 import time
 
 import pytest
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from dpgs.distributed import failures
 from dpgs.distributed.failures import ClusterLost, GcsWatch, MasterFailure, ray_error_summary, ray_failures
@@ -64,3 +64,34 @@ def test_the_head_is_looked_at_once_per_interval_however_often_the_driver_polls(
     for _ in range(100):
         watch.poll()
     assert tried == ["10.0.0.1:6379"]
+
+
+def test_confirm_lost_looks_at_once_without_a_grace_period():
+    """For a group that already failed (its master dead) or is being released: no 20 s wait."""
+    server = socket.create_server(("127.0.0.1", 0))
+    answering = GcsWatch(f"127.0.0.1:{server.getsockname()[1]}", interval_s=60.0)
+    assert not answering.confirm_lost() and not answering.lost
+    server.close()
+    gone = GcsWatch(closed_address(), interval_s=60.0)
+    assert gone.confirm_lost() and gone.lost
+
+
+@pytest.mark.parametrize("error", [RayActorError(), GetTimeoutError("late")])
+def test_a_ray_failure_with_the_head_unreachable_is_the_lost_cluster(error):
+    watch = GcsWatch(closed_address())
+    lost = (r"^the cluster's head \(Ray GCS at 127\.0\.0\.1:\d+\) is unreachable: .* "
+            r"\(writing the checkpoint failed\)$")
+    with pytest.raises(ClusterLost, match=lost):
+        with ray_failures("writing the checkpoint", watch):
+            raise error
+    assert watch.lost
+
+
+def test_a_ray_failure_with_the_head_answering_stays_what_failed():
+    server = socket.create_server(("127.0.0.1", 0))
+    watch = GcsWatch(f"127.0.0.1:{server.getsockname()[1]}")
+    with pytest.raises(RunFailure, match=r"^writing the checkpoint: no answer in time") as raised:
+        with ray_failures("writing the checkpoint", watch):
+            raise GetTimeoutError("late")
+    assert not isinstance(raised.value, ClusterLost) and not watch.lost
+    server.close()

@@ -15,10 +15,15 @@ Steps (as root; ``python -m tests.image``):
    broke Ray workers): ``dpgs --version``, ``import dpgs, dpgs.master, dpgs.workers``, the demo bags
    (``dpgs demo-data``, 300 bags), then one epoch of ``configs/demo.yaml`` (packed, one process) and of
    ``configs/demo-dpgs.yaml`` (DPGS on Ray, 2 workers), each MLflow run checked FINISHED;
-7. the daemon is stopped and checked gone (no process, no mount), also after a failure or Ctrl-C.
+7. the image saved to ``CACHE/image.tar`` (again only when its id changed), then the daemon is stopped
+   and checked gone (no process, no mount), also after a failure or Ctrl-C;
+8. ``ray up`` with the docker section of configs/cluster.yaml on a lab of three hosts, each with its
+   own dockerd holding the image, then ``dpgs train --address auto`` in the head's container and ``ray
+   down`` (:mod:`tests.image.lab_cluster`; ``--no-cluster`` skips it).
 
 The last line is ``image-test: ok, build <s> s, image <MB> MB, train packed <s> s (epoch <s> s), train
-dpgs <s> s (epoch <s> s); <image>`` (each run's whole command, and its one epoch with validation), or
+dpgs <s> s (epoch <s> s); <image>; ray up in containers <s> s (...), train <s> s, worker actors on
+<addresses>, ray down <s> s`` (each run's whole command, and its one epoch with validation), or
 ``image-test: FAILED: <why>`` (exit 1); ``image-test: refused: <why>`` (exit 2) when it cannot run
 here. ``CACHE`` is ``.image-cache`` (git-ignored; ``IMAGE_CACHE`` to move it).
 """
@@ -38,6 +43,8 @@ from pathlib import Path
 import dpgs
 from tests.image.debian_base import ensure_base_image
 from tests.image.dockerd import DOCKER, DOCKERD, DockerdError, PrivateDockerd
+from tests.image.lab_cluster import run_docker_cluster
+from tests.lab.netlab import LabError
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {DOCKERD: "docker.io", DOCKER: "docker.io", "/usr/sbin/debootstrap": "debootstrap"}
@@ -174,16 +181,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.image", description=__doc__.split("\n")[0])
     parser.add_argument("--cache", default=os.environ.get("IMAGE_CACHE", str(ROOT / ".image-cache")))
     parser.add_argument("--torch-spec", default=os.environ.get("TORCH_SPEC", "torch==2.13.0"))
+    parser.add_argument("--no-cluster", action="store_true", help="skip step 8 (ray up in containers)")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return run(Path(args.cache).resolve(), args.torch_spec)
+        return run(Path(args.cache).resolve(), args.torch_spec, cluster=not args.no_cluster)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run(cache: Path, torch_spec: str) -> int:
-    """Steps 1-7 of the module docstring; the exit status (0 ok, 1 failed, 2 refused)."""
+def save_image(daemon: PrivateDockerd, file: Path) -> None:
+    """``docker save`` :data:`IMAGE` to ``file`` unless it holds this image already (its id beside it)."""
+    image_id = daemon.docker("image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip()
+    stamp = file.with_suffix(".id")
+    if file.exists() and stamp.exists() and stamp.read_text() == image_id:
+        return
+    log(f"saving {IMAGE} to {file}")
+    daemon.docker("save", "-o", str(file), IMAGE, timeout=1800)
+    stamp.write_text(image_id)
+
+
+def run(cache: Path, torch_spec: str, cluster: bool = True) -> int:
+    """Steps 1-8 of the module docstring; the exit status (0 ok, 1 failed, 2 refused)."""
     try:
         if sys.platform != "linux":
             raise Refused("needs Linux")
@@ -202,16 +221,22 @@ def run(cache: Path, torch_spec: str) -> int:
                 size_mb = int(daemon.docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout) / 1e6
                 checks = run_checks(daemon, cache / "container.log")
                 train_s = verify(checks)
+                if cluster:
+                    save_image(daemon, cache / "image.tar")
         finally:
             left = daemon.leftovers()
             if left:
                 log(f"tear-down left: {', '.join(left)}")
         if left:
             raise DockerdError(f"the private dockerd was not torn down: {', '.join(left)}")
+        in_containers = ""
+        if cluster:
+            log("ray up with the docker section, on a lab of three hosts (tests/image/lab_cluster.py)")
+            in_containers = "; " + run_docker_cluster(cache / "image.tar", IMAGE, log).line()
     except Refused as err:
         log(f"refused: {err}")
         return 2
-    except (DockerdError, subprocess.SubprocessError, OSError) as err:
+    except (DockerdError, LabError, subprocess.SubprocessError, OSError) as err:
         log(f"FAILED: {err}")
         return 1
     except KeyboardInterrupt:
@@ -219,7 +244,7 @@ def run(cache: Path, torch_spec: str) -> int:
         return 1
     trains = ", ".join(f"train {mode} {whole:.1f} s (epoch {epoch:.1f} s)"
                        for mode, (whole, epoch) in train_s.items())
-    log(f"ok, build {build_s:.0f} s, image {size_mb:.0f} MB, {trains}; {IMAGE}")
+    log(f"ok, build {build_s:.0f} s, image {size_mb:.0f} MB, {trains}; {IMAGE}{in_containers}")
     return 0
 
 

@@ -200,11 +200,15 @@ mount -t tmpfs -o mode=1777 tmp "$M/tmp"
 mount -t tmpfs -o mode=755 run "$M/run"
 mkdir -p "$M/run/sshd" "$M{data_mount}" "$M/etc/dpgslab"
 mount --bind {data} "$M{data_mount}"
-cp -a {etc}/. "$M/etc/dpgslab/"
+{docker_root}cp -a {etc}/. "$M/etc/dpgslab/"
 cp {bashrc} "$M/root/.bashrc"
 printf '. ~/.bashrc\n' > "$M/root/.profile"
 hostname {hostname}
 exec chroot "$M" /usr/sbin/sshd -D -e -f /etc/dpgslab/sshd_config
+"""
+
+DOCKER_ROOT_INIT = r"""mkdir -p {root} "$M/var/lib/docker"
+mount --bind {root} "$M/var/lib/docker"
 """
 
 SSHD_CONFIG = """ListenAddress {address}:{port}
@@ -234,10 +238,13 @@ class Lab:
 
     # ---------------------------------------------------------------- bring up
     @classmethod
-    def up(cls, workers: int = 2, name: str = NAME, venv: Path | None = None, tied: bool = True) -> Lab:
+    def up(cls, workers: int = 2, name: str = NAME, venv: Path | None = None, tied: bool = True,
+           docker: bool = False) -> Lab:
         """Bring up ``client``, ``head`` and ``workers`` worker hosts (after removing any earlier lab of
         this name). ``venv``: whose ``bin`` is first on the hosts' PATH (default: this Python's).
-        ``tied``: the hosts die with this process."""
+        ``tied``: the hosts die with this process. ``docker``: the head and the workers get a Docker data
+        root on this machine's disk (``/var/lib/docker``; overlay2 cannot sit on their in-memory overlay
+        root), for :meth:`start_dockerd`."""
         check_can_run()
         ensure_tools()
         if workers < 1:
@@ -260,7 +267,7 @@ class Lab:
                "-f", str(state / "ssh_host_ed25519_key"))
             find_links = wheelhouse(str(venv / "bin" / "python"))
             for host in host_names(workers):
-                hosts[host] = lab._start_host(host, switch, find_links, tied)
+                hosts[host] = lab._start_host(host, switch, find_links, tied, docker and host != "client")
             lab.netem = _kernel_has_netem(switch, "p-head")
             lab._save()
             for host in hosts:
@@ -270,7 +277,7 @@ class Lab:
             raise
         return lab
 
-    def _start_host(self, host: str, switch: str, find_links: Path, tied: bool) -> Host:
+    def _start_host(self, host: str, switch: str, find_links: Path, tied: bool, docker: bool) -> Host:
         netns, address = f"{self.name}-{host}", host_address(host)
         sh("ip", "netns", "add", netns)
         sh("ip", "-n", switch, "link", "add", f"p-{host}", "type", "veth", "peer", "name", "eth0",
@@ -296,6 +303,7 @@ class Lab:
             tag=f"{self.name}-{host}", data=shlex.quote(str(self.data)), data_mount=DATA_MOUNT,
             etc=shlex.quote(str(etc)), bashrc=shlex.quote(str(home / "bashrc")),
             hostname=f"{self.name}-{host}",
+            docker_root=DOCKER_ROOT_INIT.format(root=shlex.quote(str(home / "docker"))) if docker else "",
         )
         log = open(home / "init.log", "w")  # noqa: SIM115 (the host's lifetime)
         proc = subprocess.Popen(
@@ -433,6 +441,31 @@ class Lab:
             except ProcessLookupError:
                 pass
 
+    # ---------------------------------------------------------------- docker
+    def cgroup_parent(self, host: str) -> str:
+        """The cgroup under which ``host``'s containers run (removed by :func:`sweep`)."""
+        return f"{self.name}-{host}"
+
+    def start_dockerd(self, host: str, timeout_s: float = 120) -> None:
+        """Start Debian's ``dockerd`` on ``host`` (a lab made with ``docker=True``): its own data root, its
+        socket in the host's private ``/run``, no bridge and no iptables rules (containers use the host's
+        network, as ``ray up``'s ``docker run --net=host`` does), containers under :meth:`cgroup_parent`.
+        It lives in the host's PID namespace and ends with the host."""
+        if not self.run(host, "mountpoint -q /var/lib/docker", check=False).returncode == 0:
+            raise LabError(f"lab host {host} has no Docker data root (bring the lab up with docker=True)")
+        daemon = ["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-masq=false",
+                  "--exec-opt", "native.cgroupdriver=cgroupfs",
+                  "--cgroup-parent", f"/{self.cgroup_parent(host)}"]
+        self.run(host, f"setsid {shlex.join(daemon)} > /var/log/dockerd.log 2>&1 < /dev/null &")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ping = self.run(host, ["docker", "version", "--format", "{{.Server.Version}}"], check=False)
+            if ping.returncode == 0:
+                return
+            time.sleep(0.5)
+        log = self.run(host, "tail -n 20 /var/log/dockerd.log", check=False).stdout
+        raise LabError(f"dockerd on lab host {host} did not answer within {timeout_s:g}s:\n{log}")
+
     # ---------------------------------------------------------------- links
     def _ends(self, host: str) -> list[tuple[str, str]]:
         """(netns, device) of both ends of ``host``'s link: its egress, and the switch port toward it."""
@@ -519,15 +552,27 @@ def sweep(name: str = NAME, timeout_s: float = 30) -> None:
                 raise LabError(f"processes {pids} of {netns} do not end")
             time.sleep(0.1)
         sh("ip", "netns", "del", netns)
+    for folder in lab_cgroups(name):  # the containers' cgroups (empty once their processes are gone)
+        for child in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if child.is_dir():
+                child.rmdir()
+        folder.rmdir()
     shutil.rmtree(STATE_ROOT / name, ignore_errors=True)
     left = leftovers(name)
     if left:
         raise LabError(f"the lab left {left}")
 
 
+def lab_cgroups(name: str = NAME) -> list[Path]:
+    """The cgroup folders of the lab's containers (``Lab.cgroup_parent``), in every hierarchy."""
+    root = Path("/sys/fs/cgroup")
+    return sorted(root.glob(f"*/{name}-*")) + sorted(root.glob(f"{name}-*"))
+
+
 def leftovers(name: str = NAME) -> list[str]:
     """What of a lab called ``name`` exists on this machine (empty after :func:`sweep`)."""
     found = [f"network namespace {n}" for n in lab_namespaces(name)]
+    found += [f"cgroup {folder}" for folder in lab_cgroups(name)]
     state = STATE_ROOT / name
     if state.exists():
         found.append(f"state folder {state}")

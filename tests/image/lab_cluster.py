@@ -1,0 +1,137 @@
+"""``ray up`` with the docker section of configs/cluster.yaml, on the lab, in the image just built.
+
+The lab (:mod:`tests.lab.netlab`, its own name :data:`LAB_NAME` so that it never meets ``make
+cluster-test``'s) gets a dockerd on the head and on each worker host (``Lab.start_dockerd``: a Docker data
+root on this machine's disk, no bridge, no iptables). No registry can be reached from the lab, so the
+image is loaded into each host's daemon from a ``docker save`` file, and the user's config says what
+docs/cluster.md tells an air-gapped site to change (:func:`docker_lab_config`): the image's local name,
+``pull_before_run: false``, and pip pointed at a wheel folder (``setup_commands`` run ``pip install .``
+in the container, which needs setuptools). Everything else is the docker section as committed.
+
+Then, as the user on the client host: ``ray up`` (the containers started over ssh, the checkout synced
+into them and installed), ``dpgs train --address auto`` in the head's container through ``ray exec``
+(DPGS, P=2, one worker actor in each worker host's container, token auth on, MLflow run FINISHED; runs
+and the MLflow store on the shared ``/data``), ``ray down``, and every container gone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tests.lab.cluster import CONFIG, UserSession, lab_config, mlflow_run, worker_addresses
+from tests.lab.netlab import WHEELHOUSE, Lab, LabError, sweep
+
+LAB_NAME = "dpgsimg"
+CONTAINER = "dpgs"  # docker.container_name in configs/cluster.yaml
+EXIT = "dpgs-exit="
+
+
+def docker_lab_config(lab: Lab, image: str, source: Path = CONFIG) -> str:
+    """``source`` with its docker section, for ``lab``'s hosts: the edits of :func:`lab_config` but the
+    deletion of the docker section, plus an air-gapped site's: the image's local name, no pull, pip from
+    a wheel folder mounted into the containers."""
+    config = yaml.safe_load(source.read_text())
+    docker = config["docker"]
+    edited = yaml.safe_load(lab_config(lab, source))  # provider, head address, ssh user and key
+    edited["docker"] = {
+        **docker,
+        "image": image,
+        "pull_before_run": False,
+        "run_options": [*docker["run_options"], "-e PIP_NO_INDEX=1", "-e PIP_FIND_LINKS=/wheels",
+                        f"-v {WHEELHOUSE}:/wheels:ro"],
+    }
+    order = list(config)  # the committed file's order of sections
+    return yaml.safe_dump({k: edited[k] for k in order}, sort_keys=False, width=1000)
+
+
+def in_containers(lab: Lab, host: str) -> list[str]:
+    """Names of the containers running on ``host``."""
+    return lab.run(host, ["docker", "ps", "--format", "{{.Names}}"]).stdout.split()
+
+
+def alive_nodes(user: UserSession) -> dict[str, float]:
+    """Alive Ray nodes, asked in the head's container (address -> CPUs)."""
+    code = ("import json, ray; ray.init(address='auto', log_to_driver=False); "
+            "print('nodes=' + json.dumps({n['NodeManagerAddress']: n['Resources'].get('CPU', 0.0) "
+            "for n in ray.nodes() if n['Alive']}))")
+    out = user.on_head(f"python3 -c {shlex.quote(code)}", timeout=180, check=False).result.stdout
+    found = re.findall(r"nodes=(\{.*\})", out)
+    return json.loads(found[-1]) if found else {}
+
+
+def wait_for_nodes(user: UserSession, count: int, timeout_s: float = 600) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if len(alive_nodes(user)) >= count:
+            return time.monotonic() - start
+        time.sleep(5)
+    raise LabError(f"fewer than {count} Ray nodes alive in the containers within {timeout_s:g}s")
+
+
+@dataclass
+class DockerClusterResult:
+    load_s: float
+    ray_up_s: float
+    nodes_alive_s: float
+    train_s: float
+    workers: list[str]
+    ray_down_s: float
+
+    def line(self) -> str:
+        return (f"ray up in containers {self.ray_up_s:.0f} s (3 nodes {self.nodes_alive_s:.0f} s later), "
+                f"train {self.train_s:.0f} s, worker actors on {', '.join(self.workers)}, "
+                f"ray down {self.ray_down_s:.0f} s")
+
+
+def run_docker_cluster(image_file: Path, image: str, log) -> DockerClusterResult:
+    """The whole path (module docstring) on a fresh lab, torn down afterwards whatever happens."""
+    sweep(LAB_NAME)
+    with Lab.up(workers=2, name=LAB_NAME, docker=True) as lab:
+        nodes = ["head", *lab.workers]
+        start = time.monotonic()
+        for host in nodes:
+            lab.start_dockerd(host)
+            lab.run(host, ["docker", "load", "-i", str(image_file)], timeout=900)
+        load_s = time.monotonic() - start
+        log(f"lab {LAB_NAME}: dockerd on {', '.join(nodes)}, {image} loaded in {load_s:.0f} s")
+        user = UserSession(lab, docker_lab_config(lab, image), name="lab-cluster-docker.yaml")
+        user.make_token()
+        user.sh("dpgs demo-data /data/demo --bags 200 --seed 0", timeout=600)
+        up = user.ray_up(timeout=1500)
+        log(f"ray up (docker) took {up.seconds:.0f} s")
+        running = {host: in_containers(lab, host) for host in nodes}
+        if any(CONTAINER not in names for names in running.values()):
+            raise LabError(f"`ray up` did not start the {CONTAINER} container on every host: {running}")
+        alive_s = wait_for_nodes(user, len(nodes))
+        train = user.on_head(
+            "cd /opt/dpgs-src && dpgs train --config configs/demo-dpgs.yaml --address auto "
+            "--tracking-uri sqlite:////data/mlflow.db data.manifest=/data/demo/manifest.csv "
+            "data.features_dir=/data/demo/features train.output_dir=/data/runs/docker "
+            f"tracking.run_name=docker dpgs.cpus_per_worker=1 train.epochs=2 eval.bootstrap=0; echo {EXIT}$?",
+            timeout=1800, check=False)
+        output = train.result.stdout + train.result.stderr
+        codes = re.findall(rf"{EXIT}(\d+)", output)
+        if codes != ["0"]:
+            raise LabError(f"dpgs train in the head's container failed:\n{output[-4000:]}")
+        workers = worker_addresses(output)
+        expected = sorted(lab.hosts[w].address for w in lab.workers)
+        if sorted(workers) != expected:
+            raise LabError(f"worker actors on {workers}, expected one on each of {expected}")
+        status = mlflow_run(lab.data / "mlflow.db", "docker")["status"]
+        if status != "FINISHED":
+            raise LabError(f"the MLflow run of the containers' training is {status}")
+        down = user.ray_down()
+        deadline = time.monotonic() + 120
+        while any(in_containers(lab, host) for host in nodes) and time.monotonic() < deadline:
+            time.sleep(2)
+        left = {host: in_containers(lab, host) for host in nodes}
+        if any(left.values()):
+            raise LabError(f"containers still running after `ray down`: {left}")
+        return DockerClusterResult(load_s, up.seconds, alive_s, train.seconds, workers, down.seconds)
