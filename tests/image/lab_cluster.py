@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import shlex
 import time
 from dataclasses import dataclass
@@ -44,11 +45,27 @@ def docker_lab_config(lab: Lab, image: str, source: Path = CONFIG) -> str:
         **docker,
         "image": image,
         "pull_before_run": False,
-        "run_options": [*docker["run_options"], "-e PIP_NO_INDEX=1", "-e PIP_FIND_LINKS=/wheels",
-                        f"-v {WHEELHOUSE}:/wheels:ro"],
+        "run_options": [*map(within_open_files_limit, docker["run_options"]), "-e PIP_NO_INDEX=1",
+                        "-e PIP_FIND_LINKS=/wheels", f"-v {WHEELHOUSE}:/wheels:ro"],
     }
     order = list(config)  # the committed file's order of sections
     return yaml.safe_dump({k: edited[k] for k in order}, sort_keys=False, width=1000)
+
+
+def within_open_files_limit(option: str) -> str:
+    """``option`` (a ``docker run`` option), with ``--ulimit nofile`` lowered to this machine's hard limit
+    where a process may not raise it (no CAP_SYS_RESOURCE, as in a container: runc then refuses to start
+    the container with "error setting rlimit type 7: operation not permitted")."""
+    match = re.fullmatch(r"--ulimit nofile=(\d+):(\d+)", option)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if match is None or hard == resource.RLIM_INFINITY or int(match.group(2)) <= hard:
+        return option
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard + 1))
+    except (ValueError, OSError):
+        return f"--ulimit nofile={min(int(match.group(1)), hard)}:{hard}"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard))
+    return option
 
 
 def in_containers(lab: Lab, host: str) -> list[str]:
@@ -90,48 +107,60 @@ class DockerClusterResult:
                 f"ray down {self.ray_down_s:.0f} s")
 
 
+def load_image(lab: Lab, image_file: Path) -> float:
+    """A dockerd on the head and on each worker host, each loading ``image_file``; returns the seconds."""
+    start = time.monotonic()
+    for host in ["head", *lab.workers]:
+        lab.start_dockerd(host)
+        lab.run(host, ["docker", "load", "-i", str(image_file)], timeout=900)
+    return time.monotonic() - start
+
+
 def run_docker_cluster(image_file: Path, image: str, log) -> DockerClusterResult:
     """The whole path (module docstring) on a fresh lab, torn down afterwards whatever happens."""
     sweep(LAB_NAME)
     with Lab.up(workers=2, name=LAB_NAME, docker=True) as lab:
-        nodes = ["head", *lab.workers]
-        start = time.monotonic()
-        for host in nodes:
-            lab.start_dockerd(host)
-            lab.run(host, ["docker", "load", "-i", str(image_file)], timeout=900)
-        load_s = time.monotonic() - start
-        log(f"lab {LAB_NAME}: dockerd on {', '.join(nodes)}, {image} loaded in {load_s:.0f} s")
-        user = UserSession(lab, docker_lab_config(lab, image), name="lab-cluster-docker.yaml")
-        user.make_token()
+        load_s = load_image(lab, image_file)
+        log(f"lab {LAB_NAME}: a dockerd on the head and each worker host, {image} loaded in {load_s:.0f} s")
+        return user_path(lab, image, load_s, log)
+
+
+def user_path(lab: Lab, image: str, load_s: float, log) -> DockerClusterResult:
+    """docs/cluster.md with Docker, as the user on the lab's client: `ray up`, `dpgs train` in the head's
+    container, `ray down`; each checked (module docstring)."""
+    nodes = ["head", *lab.workers]
+    user = UserSession(lab, docker_lab_config(lab, image), name="lab-cluster-docker.yaml")
+    user.make_token()
+    if not (lab.data / "demo" / "manifest.csv").exists():
         user.sh("dpgs demo-data /data/demo --bags 200 --seed 0", timeout=600)
-        up = user.ray_up(timeout=1500)
-        log(f"ray up (docker) took {up.seconds:.0f} s")
-        running = {host: in_containers(lab, host) for host in nodes}
-        if any(CONTAINER not in names for names in running.values()):
-            raise LabError(f"`ray up` did not start the {CONTAINER} container on every host: {running}")
-        alive_s = wait_for_nodes(user, len(nodes))
-        train = user.on_head(
-            "cd /opt/dpgs-src && dpgs train --config configs/demo-dpgs.yaml --address auto "
-            "--tracking-uri sqlite:////data/mlflow.db data.manifest=/data/demo/manifest.csv "
-            "data.features_dir=/data/demo/features train.output_dir=/data/runs/docker "
-            f"tracking.run_name=docker dpgs.cpus_per_worker=1 train.epochs=2 eval.bootstrap=0; echo {EXIT}$?",
-            timeout=1800, check=False)
-        output = train.result.stdout + train.result.stderr
-        codes = re.findall(rf"{EXIT}(\d+)", output)
-        if codes != ["0"]:
-            raise LabError(f"dpgs train in the head's container failed:\n{output[-4000:]}")
-        workers = worker_addresses(output)
-        expected = sorted(lab.hosts[w].address for w in lab.workers)
-        if sorted(workers) != expected:
-            raise LabError(f"worker actors on {workers}, expected one on each of {expected}")
-        status = mlflow_run(lab.data / "mlflow.db", "docker")["status"]
-        if status != "FINISHED":
-            raise LabError(f"the MLflow run of the containers' training is {status}")
-        down = user.ray_down()
-        deadline = time.monotonic() + 120
-        while any(in_containers(lab, host) for host in nodes) and time.monotonic() < deadline:
-            time.sleep(2)
-        left = {host: in_containers(lab, host) for host in nodes}
-        if any(left.values()):
-            raise LabError(f"containers still running after `ray down`: {left}")
-        return DockerClusterResult(load_s, up.seconds, alive_s, train.seconds, workers, down.seconds)
+    up = user.ray_up(timeout=1500)
+    log(f"ray up (docker) took {up.seconds:.0f} s")
+    alive_s = wait_for_nodes(user, len(nodes))  # the head's autoscaler starts the workers after `ray up`
+    running = {host: in_containers(lab, host) for host in nodes}
+    if any(CONTAINER not in names for names in running.values()):
+        raise LabError(f"the {CONTAINER} container is not running on every host: {running}")
+    train = user.on_head(
+        "cd /opt/dpgs-src && dpgs train --config configs/demo-dpgs.yaml --address auto "
+        "--tracking-uri sqlite:////data/mlflow.db data.manifest=/data/demo/manifest.csv "
+        "data.features_dir=/data/demo/features train.output_dir=/data/runs/docker "
+        f"tracking.run_name=docker dpgs.cpus_per_worker=1 train.epochs=2 eval.bootstrap=0; echo {EXIT}$?",
+        timeout=1800, check=False)
+    output = train.result.stdout + train.result.stderr
+    codes = re.findall(rf"{EXIT}(\d+)", output)
+    if codes != ["0"]:
+        raise LabError(f"dpgs train in the head's container failed:\n{output[-4000:]}")
+    workers = worker_addresses(output)
+    expected = sorted(lab.hosts[w].address for w in lab.workers)
+    if sorted(workers) != expected:
+        raise LabError(f"worker actors on {workers}, expected one on each of {expected}")
+    status = mlflow_run(lab.data / "mlflow.db", "docker")["status"]
+    if status != "FINISHED":
+        raise LabError(f"the MLflow run of the containers' training is {status}")
+    down = user.ray_down()
+    deadline = time.monotonic() + 120
+    while any(in_containers(lab, host) for host in nodes) and time.monotonic() < deadline:
+        time.sleep(2)
+    left = {host: in_containers(lab, host) for host in nodes}
+    if any(left.values()):
+        raise LabError(f"containers still running after `ray down`: {left}")
+    return DockerClusterResult(load_s, up.seconds, alive_s, train.seconds, workers, down.seconds)

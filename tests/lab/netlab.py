@@ -51,6 +51,7 @@ import argparse
 import ctypes
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -204,12 +205,38 @@ mount --bind {data} "$M{data_mount}"
 cp {bashrc} "$M/root/.bashrc"
 printf '. ~/.bashrc\n' > "$M/root/.profile"
 hostname {hostname}
-exec chroot "$M" /usr/sbin/sshd -D -e -f /etc/dpgslab/sshd_config
+{enter_root} /usr/sbin/sshd -D -e -f /etc/dpgslab/sshd_config
 """
+# How PID 1 (sshd) enters the host's root. A chroot is enough for ssh, Ray and dpgs; dockerd needs the
+# root to be its mount namespace's own (runc's `exec` lands in that root: under a chroot, `docker exec`
+# ran in this machine's /), so docker hosts pivot into it.
+CHROOT = 'exec chroot "$M"'
+PIVOT_ROOT = 'cd "$M" && mkdir -p .old-root && pivot_root . .old-root && umount -l /.old-root && cd / && exec'
+
 
 DOCKER_ROOT_INIT = r"""mkdir -p {root} "$M/var/lib/docker"
 mount --bind {root} "$M/var/lib/docker"
-"""
+mount -t tmpfs -o mode=755 cgroup "$M/sys/fs/cgroup"
+{cgroups}"""
+
+
+def cgroup_mounts_script(mountinfo: str) -> str:
+    """Shell lines that mount this machine's cgroup hierarchies (``mountinfo``: its
+    ``/proc/self/mountinfo``) under ``$M/sys/fs/cgroup``: dockerd needs them, and ``ip netns exec`` gives
+    a host a fresh ``/sys`` without them."""
+    lines = []
+    for entry in mountinfo.splitlines():
+        left, _, right = entry.partition(" - ")
+        fields, (fstype, _source, options) = left.split(), right.split()[:3]
+        if fstype not in ("cgroup", "cgroup2") or not fields[4].startswith("/sys/fs/cgroup/"):
+            continue
+        if not re.fullmatch(r"[\w/.,=+-]+", fields[4] + options):
+            raise LabError(f"unexpected cgroup mount on this machine: {entry}")
+        target = f'"$M{fields[4]}"'
+        wanted = ",".join(o for o in options.split(",") if o not in ("rw", "ro"))
+        mount = f"mount -t {fstype} -o {wanted}" if wanted else f"mount -t {fstype}"
+        lines.append(f"mkdir -p {target} && {mount} {fstype} {target}")
+    return "\n".join(lines) + "\n"
 
 SSHD_CONFIG = """ListenAddress {address}:{port}
 HostKey /etc/dpgslab/ssh_host_ed25519_key
@@ -303,7 +330,11 @@ class Lab:
             tag=f"{self.name}-{host}", data=shlex.quote(str(self.data)), data_mount=DATA_MOUNT,
             etc=shlex.quote(str(etc)), bashrc=shlex.quote(str(home / "bashrc")),
             hostname=f"{self.name}-{host}",
-            docker_root=DOCKER_ROOT_INIT.format(root=shlex.quote(str(home / "docker"))) if docker else "",
+            enter_root=PIVOT_ROOT if docker else CHROOT,
+            docker_root=DOCKER_ROOT_INIT.format(
+                root=shlex.quote(str(home / "docker")),
+                cgroups=cgroup_mounts_script(Path("/proc/self/mountinfo").read_text()),
+            ) if docker else "",
         )
         log = open(home / "init.log", "w")  # noqa: SIM115 (the host's lifetime)
         proc = subprocess.Popen(
