@@ -82,7 +82,7 @@ def ensure_cluster(lab: Lab, user: UserSession, results, why: str) -> None:
     """Three live nodes again (Ray's autoscaler restarts a lost worker's Ray); `ray up` if it does not.
     Every `ray up` needed here is recorded (``cluster_repairs``)."""
     try:
-        wait_for_nodes(lab, 3, timeout_s=180)
+        wait_for_nodes(lab, 3, timeout_s=180, hold_s=5)  # the 15 s hold is for a cluster just started
     except LabError:
         again = user.ray_up()
         wait_for_nodes(lab, 3, timeout_s=600)
