@@ -50,3 +50,53 @@ def test_the_lab_config_is_cluster_yaml_with_the_edits_docs_cluster_md_asks_for(
     untouched = set(original) - {"docker", "provider", "auth", "head_start_ray_commands"}
     assert {k: made[k] for k in untouched} == {k: original[k] for k in untouched}
     validate_config(prepare_config(made))
+
+
+def test_the_docker_lab_config_keeps_the_docker_section_with_an_air_gapped_sites_edits(monkeypatch):
+    from tests.image import lab_cluster
+
+    monkeypatch.setattr(lab_cluster, "within_open_files_limit", lambda option: option)  # a real host's
+    made = yaml.safe_load(lab_cluster.docker_lab_config(fake_lab(), "dpgs:local"))
+    original = yaml.safe_load(CONFIG.read_text())
+    without = yaml.safe_load(lab_config(fake_lab()))
+    assert list(made) == list(original)  # the committed file's sections, in its order
+    assert {k: v for k, v in made.items() if k != "docker"} == without
+    extra = ["-e PIP_NO_INDEX=1", "-e PIP_FIND_LINKS=/wheels", f"-v {netlab.WHEELHOUSE}:/wheels:ro"]
+    assert made["docker"] == {**original["docker"], "image": "dpgs:local", "pull_before_run": False,
+                              "run_options": [*original["docker"]["run_options"], *extra]}
+    validate_config(prepare_config(made))
+
+
+def test_the_open_files_limit_is_lowered_only_where_it_cannot_be_raised(monkeypatch):
+    from tests.image import lab_cluster
+
+    limits = {"hard": 20000}
+    monkeypatch.setattr(lab_cluster.resource, "getrlimit", lambda which: (1024, limits["hard"]))
+
+    def refuse(which, values):
+        if values[1] > limits["hard"]:
+            raise ValueError("not allowed to raise maximum limit")
+
+    monkeypatch.setattr(lab_cluster.resource, "setrlimit", refuse)
+    assert lab_cluster.within_open_files_limit("--ulimit nofile=65536:65536") == "--ulimit nofile=20000:20000"
+    assert lab_cluster.within_open_files_limit("--shm-size=32g") == "--shm-size=32g"
+    monkeypatch.setattr(lab_cluster.resource, "setrlimit", lambda which, values: None)  # CAP_SYS_RESOURCE
+    assert lab_cluster.within_open_files_limit("--ulimit nofile=65536:65536") == "--ulimit nofile=65536:65536"
+
+
+def test_docker_hosts_mount_this_machines_cgroup_hierarchies():
+    mountinfo = "\n".join([
+        "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755",
+        "36 31 0:33 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices",
+        "40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd",
+        "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw",
+        "50 23 0:40 / /proc rw - proc proc rw",
+    ])
+    assert netlab.cgroup_mounts_script(mountinfo).splitlines() == [
+        'mkdir -p "$M/sys/fs/cgroup/devices" && mount -t cgroup -o devices cgroup "$M/sys/fs/cgroup/devices"',
+        'mkdir -p "$M/sys/fs/cgroup/systemd" && mount -t cgroup -o name=systemd cgroup '
+        '"$M/sys/fs/cgroup/systemd"',
+        'mkdir -p "$M/sys/fs/cgroup/unified" && mount -t cgroup2 cgroup2 "$M/sys/fs/cgroup/unified"',
+    ]
+    with pytest.raises(LabError, match="unexpected cgroup mount"):
+        netlab.cgroup_mounts_script("36 31 0:33 / /sys/fs/cgroup/a$(x) rw - cgroup cgroup rw,devices")
