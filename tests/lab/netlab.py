@@ -201,7 +201,7 @@ mount -t tmpfs -o mode=1777 tmp "$M/tmp"
 mount -t tmpfs -o mode=755 run "$M/run"
 mkdir -p "$M/run/sshd" "$M{data_mount}" "$M/etc/dpgslab"
 mount --bind {data} "$M{data_mount}"
-{docker_root}cp -a {etc}/. "$M/etc/dpgslab/"
+{shown}{docker_root}cp -a {etc}/. "$M/etc/dpgslab/"
 cp {bashrc} "$M/root/.bashrc"
 printf '. ~/.bashrc\n' > "$M/root/.profile"
 hostname {hostname}
@@ -212,6 +212,23 @@ hostname {hostname}
 # ran in this machine's /), so docker hosts pivot into it.
 CHROOT = 'exec chroot "$M"'
 PIVOT_ROOT = 'cd "$M" && mkdir -p .old-root && pivot_root . .old-root && umount -l /.old-root && cd / && exec'
+
+
+# folders a host replaces with its own: a checkout or venv there would be hidden from the hosts
+PRIVATE_FOLDERS = ("/tmp", "/run", "/dev/shm")
+
+
+def shown_folders_script(folders: list[Path]) -> str:
+    """Shell lines that show ``folders`` (the checkout, the venv under test) read-only at their own path on
+    a host, for those inside a folder the host replaces (a fresh clone in /tmp: its client host saw no
+    checkout and no ``dpgs`` there)."""
+    hidden = sorted({f for f in folders if any(f.is_relative_to(p) for p in PRIVATE_FOLDERS)})
+    hidden = [f for f in hidden if not any(f != g and f.is_relative_to(g) for g in hidden)]  # outermost
+    return "".join(
+        f'mkdir -p "$M"{shlex.quote(str(f))} && mount --bind {shlex.quote(str(f))} "$M"{shlex.quote(str(f))}'
+        f' && mount -o remount,bind,ro "$M"{shlex.quote(str(f))}\n'
+        for f in hidden
+    )
 
 
 DOCKER_ROOT_INIT = r"""mkdir -p {root} "$M/var/lib/docker"
@@ -331,6 +348,7 @@ class Lab:
             etc=shlex.quote(str(etc)), bashrc=shlex.quote(str(home / "bashrc")),
             hostname=f"{self.name}-{host}",
             enter_root=PIVOT_ROOT if docker else CHROOT,
+            shown=shown_folders_script([ROOT, self.venv.resolve()]),
             docker_root=DOCKER_ROOT_INIT.format(
                 root=shlex.quote(str(home / "docker")),
                 cgroups=cgroup_mounts_script(Path("/proc/self/mountinfo").read_text()),

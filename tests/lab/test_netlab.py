@@ -100,3 +100,13 @@ def test_docker_hosts_mount_this_machines_cgroup_hierarchies():
     ]
     with pytest.raises(LabError, match="unexpected cgroup mount"):
         netlab.cgroup_mounts_script("36 31 0:33 / /sys/fs/cgroup/a$(x) rw - cgroup cgroup rw,devices")
+
+
+def test_a_checkout_or_venv_in_a_folder_the_hosts_replace_is_shown_to_them_read_only():
+    """A fresh clone in /tmp: every host has its own /tmp, so its client host saw no checkout and no dpgs."""
+    script = netlab.shown_folders_script([Path("/tmp/clone"), Path("/tmp/clone/.venv"), Path("/work/main")])
+    assert script.splitlines() == [
+        'mkdir -p "$M"/tmp/clone && mount --bind /tmp/clone "$M"/tmp/clone '
+        '&& mount -o remount,bind,ro "$M"/tmp/clone'
+    ]
+    assert netlab.shown_folders_script([Path("/work/main"), Path("/opt/venv")]) == ""
