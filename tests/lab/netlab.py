@@ -12,7 +12,8 @@ Every host is a machine of its own as far as Ray, ssh and dpgs can tell:
 * its **root file system**: an overlay of this machine's ``/`` with a private upper layer in memory, so a
   host sees the installed software (Python, the checkout and its ``.venv``) but everything it writes
   (``/opt/dpgs-src``, ``~/ray_bootstrap_config.yaml``, an install into the venv) stays its own, and a
-  private ``/tmp`` (``/tmp/ray`` included), ``/run`` and ``/dev/shm``;
+  private ``/tmp`` (``/tmp/ray`` included), ``/run`` and ``/dev/shm`` (a checkout or venv under test inside
+  one of those, such as a fresh clone in ``/tmp``, is overlaid at its own path, private as the rest);
 * its **sshd** (PID 1 of the host) on port 22, root login with the lab's key, and ``ray``/``dpgs`` of
   the venv under test on the PATH of every shell, non-interactive ones included (its own ``~/.bashrc``,
   as a fresh node has: none of this machine's shell setup);
@@ -219,16 +220,19 @@ PRIVATE_FOLDERS = ("/tmp", "/run", "/dev/shm")
 
 
 def shown_folders_script(folders: list[Path]) -> str:
-    """Shell lines that show ``folders`` (the checkout, the venv under test) read-only at their own path on
-    a host, for those inside a folder the host replaces (a fresh clone in /tmp: its client host saw no
-    checkout and no ``dpgs`` there)."""
+    """Shell lines that show ``folders`` (the checkout, the venv under test) at their own path on a host,
+    for those inside a folder the host replaces (a fresh clone in /tmp: its client host saw no checkout
+    and no ``dpgs``): an overlay of each, so that what a host writes there (``pip install .`` into the
+    venv) stays its own, as everywhere else in its root."""
     hidden = sorted({f for f in folders if any(f.is_relative_to(p) for p in PRIVATE_FOLDERS)})
     hidden = [f for f in hidden if not any(f != g and f.is_relative_to(g) for g in hidden)]  # outermost
-    return "".join(
-        f'mkdir -p "$M"{shlex.quote(str(f))} && mount --bind {shlex.quote(str(f))} "$M"{shlex.quote(str(f))}'
-        f' && mount -o remount,bind,ro "$M"{shlex.quote(str(f))}\n'
-        for f in hidden
-    )
+    lines = []
+    for i, folder in enumerate(hidden):
+        path, layer = shlex.quote(str(folder)), f'"$L/shown{i}"'
+        options = f'"lowerdir="{path}",upperdir=$L/shown{i}/upper,workdir=$L/shown{i}/work"'
+        lines.append(f'mkdir -p {layer}/upper {layer}/work "$M"{path} && '
+                     f'mount -t overlay shown{i} -o {options} "$M"{path}\n')
+    return "".join(lines)
 
 
 DOCKER_ROOT_INIT = r"""mkdir -p {root} "$M/var/lib/docker"

@@ -102,11 +102,12 @@ def test_docker_hosts_mount_this_machines_cgroup_hierarchies():
         netlab.cgroup_mounts_script("36 31 0:33 / /sys/fs/cgroup/a$(x) rw - cgroup cgroup rw,devices")
 
 
-def test_a_checkout_or_venv_in_a_folder_the_hosts_replace_is_shown_to_them_read_only():
-    """A fresh clone in /tmp: every host has its own /tmp, so its client host saw no checkout and no dpgs."""
+def test_a_checkout_or_venv_in_a_folder_the_hosts_replace_is_overlaid_there():
+    """A fresh clone in /tmp: every host has its own /tmp, so its client host saw no checkout and no dpgs;
+    each host gets its own writable view (``pip install .`` into the venv stays the host's)."""
     script = netlab.shown_folders_script([Path("/tmp/clone"), Path("/tmp/clone/.venv"), Path("/work/main")])
     assert script.splitlines() == [
-        'mkdir -p "$M"/tmp/clone && mount --bind /tmp/clone "$M"/tmp/clone '
-        '&& mount -o remount,bind,ro "$M"/tmp/clone'
+        'mkdir -p "$L/shown0"/upper "$L/shown0"/work "$M"/tmp/clone && mount -t overlay shown0 '
+        '-o "lowerdir="/tmp/clone",upperdir=$L/shown0/upper,workdir=$L/shown0/work" "$M"/tmp/clone'
     ]
     assert netlab.shown_folders_script([Path("/work/main"), Path("/opt/venv")]) == ""
