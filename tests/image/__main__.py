@@ -209,6 +209,9 @@ def run(cache: Path, torch_spec: str, cluster: bool = True) -> int:
         if os.geteuid() != 0:
             raise Refused("needs root (it installs docker.io with apt and starts its own dockerd)")
         ensure_packages()
+        if not cache.is_relative_to(ROOT):
+            raise Refused(f"the cache {cache} (IMAGE_CACHE, --cache) must be inside the checkout {ROOT}: its "
+                          "wheel folder is part of the build context")
         wheels = ensure_wheels(cache / "wheels", torch_spec)
         daemon = PrivateDockerd(cache / "docker")
         log(f"starting a private dockerd (data root {daemon.data_root})")

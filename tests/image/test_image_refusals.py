@@ -44,3 +44,13 @@ def test_the_base_trusts_only_the_hosts_extra_certificates(tmp_path):
     bundle.write_text(pem("AAAABBBB") + "\n" + pem("CCCC") + "\n")  # a's body wrapped differently
     assert extra_host_cas(bundle, tmp_path / "debian") == [pem("CCCC")]
     assert extra_host_cas(tmp_path / "missing.crt", tmp_path / "debian") == []
+
+
+def test_refuses_a_cache_outside_the_checkout(monkeypatch, capsys, tmp_path):
+    """Its wheel folder must be in the build context (found with IMAGE_CACHE elsewhere: a raw ValueError)."""
+    monkeypatch.setattr(image_test.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(image_test, "ensure_packages", lambda: None)
+    monkeypatch.setattr(image_test, "ensure_wheels", lambda *a: pytest.fail("downloaded before refusing"))
+    assert image_test.main(["--cache", str(tmp_path / "cache")]) == 2
+    assert "must be inside the checkout" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
