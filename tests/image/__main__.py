@@ -3,19 +3,19 @@
 Steps (as root; ``python -m tests.image``):
 
 1. ``docker.io`` and ``debootstrap`` from apt when missing (a refusal naming the apt error otherwise);
-2. a private dockerd (:mod:`tests.image.dockerd`) whose data root is ``CACHE/docker``, so the images and
+2. a private dockerd (:mod:`tests.image.dockerd`) whose data root is ``STORE/docker``, so the images and
    the build cache of one run serve the next;
-3. the base image ``dpgs-base:bookworm`` from ``CACHE/base/debian-bookworm-minbase.tar``
+3. the base image ``dpgs-base:bookworm`` from ``STORE/base/debian-bookworm-minbase.tar``
    (:mod:`tests.image.debian_base`; debootstrap runs only when the tarball is missing);
 4. the wheel folder ``CACHE/wheels``: ``pip download $TORCH_SPEC`` (torch and its dependencies; pip
    takes torch from its own find-links folder on this machine) when no torch wheel is there;
 5. ``docker build --network host -f docker/Dockerfile --build-arg BASE_IMAGE=dpgs-base:bookworm
-   --build-arg TORCH_WHEELS=CACHE/wheels`` from the repository root (timed; log ``CACHE/build.log``);
+   --build-arg TORCH_WHEELS=CACHE/wheels`` from the repository root (timed; log ``STORE/build.log``);
 6. in a container with no network, from the image's WORKDIR (a copy of the checkout, the case that
    broke Ray workers): ``dpgs --version``, ``import dpgs, dpgs.master, dpgs.workers``, the demo bags
    (``dpgs demo-data``, 300 bags), then one epoch of ``configs/demo.yaml`` (packed, one process) and of
    ``configs/demo-dpgs.yaml`` (DPGS on Ray, 2 workers), each MLflow run checked FINISHED;
-7. the image saved to ``CACHE/image.tar`` (again only when its id changed), then the daemon is stopped
+7. the image saved to ``STORE/image.tar`` (again only when its id changed), then the daemon is stopped
    and checked gone (no process, no mount), also after a failure or Ctrl-C;
 8. ``ray up`` with the docker section of configs/cluster.yaml on a lab of three hosts, each with its
    own dockerd holding the image, then ``dpgs train --address auto`` in the head's container and ``ray
@@ -25,7 +25,11 @@ The last line is ``image-test: ok, build <s> s, image <MB> MB, train packed <s> 
 dpgs <s> s (epoch <s> s); <image>; ray up in containers <s> s (...), train <s> s, worker actors on
 <addresses>, ray down <s> s`` (each run's whole command, and its one epoch with validation), or
 ``image-test: FAILED: <why>`` (exit 1); ``image-test: refused: <why>`` (exit 2) when it cannot run
-here. ``CACHE`` is ``.image-cache`` (git-ignored; ``IMAGE_CACHE`` to move it).
+here. ``CACHE`` is ``.image-cache`` in the checkout (git-ignored; ``IMAGE_CACHE`` to move it; it must stay
+inside the checkout, the build context) and holds only the wheels; ``STORE`` (``IMAGE_STORE``, default
+``/var/tmp/dpgs-image-test``) holds the rest, outside the checkout: step 8 runs ``ray up`` from the
+checkout, and Ray reads and hashes every file under a ``file_mounts`` source, git-ignored or not (with
+the 8 GB of daemon data and image file in the checkout, ``ray up`` spent over 10 minutes hashing).
 """
 
 from __future__ import annotations
@@ -180,12 +184,14 @@ def _interrupt(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.image", description=__doc__.split("\n")[0])
     parser.add_argument("--cache", default=os.environ.get("IMAGE_CACHE", str(ROOT / ".image-cache")))
+    parser.add_argument("--store", default=os.environ.get("IMAGE_STORE", "/var/tmp/dpgs-image-test"))
     parser.add_argument("--torch-spec", default=os.environ.get("TORCH_SPEC", "torch==2.13.0"))
     parser.add_argument("--no-cluster", action="store_true", help="skip step 8 (ray up in containers)")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return run(Path(args.cache).resolve(), args.torch_spec, cluster=not args.no_cluster)
+        return run(Path(args.cache).resolve(), Path(args.store).resolve(), args.torch_spec,
+                   cluster=not args.no_cluster)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -201,7 +207,7 @@ def save_image(daemon: PrivateDockerd, file: Path) -> None:
     stamp.write_text(image_id)
 
 
-def run(cache: Path, torch_spec: str, cluster: bool = True) -> int:
+def run(cache: Path, store: Path, torch_spec: str, cluster: bool = True) -> int:
     """Steps 1-8 of the module docstring; the exit status (0 ok, 1 failed, 2 refused)."""
     try:
         if sys.platform != "linux":
@@ -213,19 +219,20 @@ def run(cache: Path, torch_spec: str, cluster: bool = True) -> int:
             raise Refused(f"the cache {cache} (IMAGE_CACHE, --cache) must be inside the checkout {ROOT}: its "
                           "wheel folder is part of the build context")
         wheels = ensure_wheels(cache / "wheels", torch_spec)
-        daemon = PrivateDockerd(cache / "docker")
+        store.mkdir(parents=True, exist_ok=True)
+        daemon = PrivateDockerd(store / "docker")
         log(f"starting a private dockerd (data root {daemon.data_root})")
         try:
             with daemon:
-                base, how = ensure_base_image(daemon, cache / "base" / "debian-bookworm-minbase.tar",
-                                              cache / "debootstrap.log")
+                base, how = ensure_base_image(daemon, store / "base" / "debian-bookworm-minbase.tar",
+                                              store / "debootstrap.log")
                 log(f"base image {base}: {how}")
-                build_s = build(daemon, base, wheels, torch_spec, cache / "build.log")
+                build_s = build(daemon, base, wheels, torch_spec, store / "build.log")
                 size_mb = int(daemon.docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout) / 1e6
-                checks = run_checks(daemon, cache / "container.log")
+                checks = run_checks(daemon, store / "container.log")
                 train_s = verify(checks)
                 if cluster:
-                    save_image(daemon, cache / "image.tar")
+                    save_image(daemon, store / "image.tar")
         finally:
             left = daemon.leftovers()
             if left:
@@ -235,7 +242,7 @@ def run(cache: Path, torch_spec: str, cluster: bool = True) -> int:
         in_containers = ""
         if cluster:
             log("ray up with the docker section, on a lab of three hosts (tests/image/lab_cluster.py)")
-            in_containers = "; " + run_docker_cluster(cache / "image.tar", IMAGE, log).line()
+            in_containers = "; " + run_docker_cluster(store / "image.tar", IMAGE, log).line()
     except Refused as err:
         log(f"refused: {err}")
         return 2
