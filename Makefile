@@ -48,8 +48,9 @@ demo-tiles: $(STAMP)
 
 # The cluster image (docker/Dockerfile) built here and used, as root: Debian's docker.io with a private
 # dockerd, a debootstrap Debian root as BASE_IMAGE, torch from a local wheel folder, then dpgs --version,
-# the imports and one epoch of the demo configs in a container (tests/image/__main__.py). Cached in
-# .image-cache/ (git-ignored): a second run rebuilds only what changed.
+# the imports and one epoch of the demo configs in a container, then `ray up` with the docker section on
+# three lab hosts (tests/image/). Wheels cached in .image-cache/ (git-ignored), the daemon's data and the
+# saved image in /var/tmp/dpgs-image-test: a second run rebuilds only what changed.
 image-test: $(STAMP)
 	$(PY) -m tests.image --torch-spec "$(TORCH_SPEC)"
 
