@@ -248,9 +248,8 @@ class RankGroup:
         return results, dead, errors
 
     def _recover(self, dead: set[int]) -> int:
-        """Restart what died, form the group again, resynchronise; returns the version to continue at."""
-        if MASTER_RANK in dead:
-            self._master_lost()
+        """Restart the workers that died (a dead master ends the run before: :meth:`run`), form the group
+        again, resynchronise; returns the version to continue at."""
         for rank in sorted(dead):
             self._await_restart(rank - 1)
         self.form()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.lab.cluster import CONFIG, UserSession, lab_config, mlflow_run, worker_addresses
+from tests.lab.cluster import CONFIG, UserSession, lab_config, mlflow_run, wait_for_nodes, worker_addresses
 from tests.lab.netlab import WHEELHOUSE, Lab, LabError, sweep
 
 LAB_NAME = "dpgsimg"
@@ -57,14 +57,14 @@ def within_open_files_limit(option: str) -> str:
     where a process may not raise it (no CAP_SYS_RESOURCE, as in a container: runc then refuses to start
     the container with "error setting rlimit type 7: operation not permitted")."""
     match = re.fullmatch(r"--ulimit nofile=(\d+):(\d+)", option)
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if match is None or hard == resource.RLIM_INFINITY or int(match.group(2)) <= hard:
         return option
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard + 1))
+    try:  # may this process raise its hard limit? (then so may runc)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard + 1))
     except (ValueError, OSError):
         return f"--ulimit nofile={min(int(match.group(1)), hard)}:{hard}"
-    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     return option
 
 
@@ -81,15 +81,6 @@ def alive_nodes(user: UserSession) -> dict[str, float]:
     out = user.on_head(f"python3 -c {shlex.quote(code)}", timeout=180, check=False).result.stdout
     found = re.findall(r"nodes=(\{.*\})", out)
     return json.loads(found[-1]) if found else {}
-
-
-def wait_for_nodes(user: UserSession, count: int, timeout_s: float = 600) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if len(alive_nodes(user)) >= count:
-            return time.monotonic() - start
-        time.sleep(5)
-    raise LabError(f"fewer than {count} Ray nodes alive in the containers within {timeout_s:g}s")
 
 
 @dataclass
@@ -135,7 +126,8 @@ def user_path(lab: Lab, image: str, load_s: float, log) -> DockerClusterResult:
         user.sh("dpgs demo-data /data/demo --bags 200 --seed 0", timeout=600)
     up = user.ray_up(timeout=1500)
     log(f"ray up (docker) took {up.seconds:.0f} s")
-    alive_s = wait_for_nodes(user, len(nodes))  # the head's autoscaler starts the workers after `ray up`
+    # the head's autoscaler starts the workers after `ray up`
+    alive_s = wait_for_nodes(lab, len(nodes), timeout_s=600, hold_s=5, nodes=lambda: alive_nodes(user))
     running = {host: in_containers(lab, host) for host in nodes}
     if any(CONTAINER not in names for names in running.values()):
         raise LabError(f"the {CONTAINER} container is not running on every host: {running}")

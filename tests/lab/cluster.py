@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,13 +136,16 @@ def alive_nodes(lab: Lab) -> dict[str, float]:
     return yaml.safe_load(out.strip().splitlines()[-1])
 
 
-def wait_for_nodes(lab: Lab, count: int, timeout_s: float = 300, hold_s: float = 15) -> float:
+def wait_for_nodes(lab: Lab, count: int, timeout_s: float = 300, hold_s: float = 15,
+                   nodes: Callable[[], dict[str, float]] | None = None) -> float:
     """Seconds until ``count`` Ray nodes are alive (the head and its workers) and still are ``hold_s``
-    seconds later (a raylet can die right after registering)."""
+    seconds later (a raylet can die right after registering). ``nodes``: how to ask for the alive nodes
+    (default :func:`alive_nodes` on the head host; with Docker, in the head's container)."""
+    ask = nodes if nodes is not None else lambda: alive_nodes(lab)
     start, since = time.monotonic(), None
     while True:
         try:
-            alive = len(alive_nodes(lab)) >= count
+            alive = len(ask()) >= count
         except LabError:
             alive = False
         now = time.monotonic()
