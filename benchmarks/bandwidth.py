@@ -139,12 +139,15 @@ def run_rows(site, w, methods: list[str], workers: int, repeats: int, out: Path,
 
     failed = 0
     with site.sampler() as sampler:
+        idle = site.idle_bytes_per_second(sampler)
+        if idle is not None:
+            log(f"[{site.link.name}] idle cluster: {idle / 1e3:.1f} kB/s on the wire")
         for repeat in range(repeats):
             for method in methods:
                 mode = "-quick" if w.quick else ""
                 row_id = f"{w.key}{mode}-{site.link.name}-{method}-P{workers}-r{repeat}"
                 try:
-                    row = run_row(site, w, method, row_id, sampler, workers, timeout_s, log)
+                    row = run_row(site, w, method, row_id, sampler, workers, timeout_s, log, idle)
                 except RowFailed as err:
                     log(f"[{row_id}] FAILED: {err}")
                     failed += 1

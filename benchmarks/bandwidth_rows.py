@@ -11,7 +11,9 @@ run's own records and the site's interface counters (:class:`~bandwidth_sites.Co
   same link, the same bags and model: ``compute_source``);
 * ``wire_bytes_per_step``: the site's wire bytes (``site.wire``) in the windows of the last epoch's
   steps (DPGS: its chunks; DDP: its measured steps), over the number of steps, and beside it for DPGS
-  ``dpgs_bytes_per_step``, MLflow's ``comm_bytes_per_step`` of the same epoch (the same steps);
+  ``dpgs_bytes_per_step``, MLflow's ``comm_bytes_per_step`` of the same epoch (the same steps), and
+  ``idle_wire_bytes_per_step``: the site's idle wire traffic (bytes/s of the cluster with no job, measured
+  before the link's rows; None on loopback) times the same windows' seconds, over their steps;
 * per epoch ``val_auc`` and ``elapsed_seconds`` (for the time to target), and the test AUC with its
   bootstrap interval; for ``dpgs-auto`` the keep ratio it chose and the figures behind it.
 """
@@ -115,7 +117,7 @@ def _kill_site_processes(site, pattern: str) -> None:
 
 
 def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSampler, workers: int,
-                 timeout_s: float, log) -> dict:
+                 timeout_s: float, log, idle_bps: float | None) -> dict:
     """Train ``method`` (a DPGS method) on ``w`` at ``site``; the row (module docstring)."""
     local, remote = site.local_root, site.site_root
     record_local, record_site = local / "records" / f"{row_id}.json", f"{remote}/records/{row_id}.json"
@@ -153,7 +155,9 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
         wire = sum(site.wire(sampler.between(c["start"], c["end"])) for c in mine)
         steps = sum(len(c["steps"]) for c in mine)
         own = metrics.get("comm_bytes_per_step", {}).get(epoch)
+        seconds = sum(c["end"] - c["start"] for c in mine)
         bytes_check.append({"epoch": epoch, "steps": steps, "wire_bytes_per_step": wire / steps,
+                            "idle_wire_bytes_per_step": idle_per_step(idle_bps, seconds, steps),
                             "dpgs_bytes_per_step": own,
                             "keep_ratios": sorted({k for c in mine for k in c["keep_ratios"]})})
     last = bytes_check[-1]
@@ -169,6 +173,7 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
         "steps_measured": len(measured),
         "step_seconds_all": [m["step_seconds"] for m in master],
         "wire_bytes_per_step": last["wire_bytes_per_step"],
+        "idle_wire_bytes_per_step": last["idle_wire_bytes_per_step"],
         "dpgs_bytes_per_step": last["dpgs_bytes_per_step"],
         "bytes_per_epoch": bytes_check,
         "history": history,
@@ -186,6 +191,11 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
     return row
 
 
+def idle_per_step(idle_bps: float | None, seconds: float, steps: int) -> float | None:
+    """The idle traffic of ``steps`` steps that took ``seconds`` in all, per step (None: not measured)."""
+    return None if idle_bps is None else idle_bps * seconds / steps
+
+
 def worker_ips(output: str) -> list[str]:
     """The node address of each DPGS worker, from the ``[dpgs] worker w: ... ip=...`` start-up lines."""
     found = {}
@@ -197,7 +207,7 @@ def worker_ips(output: str) -> list[str]:
 
 
 def run_ddp_row(site, w: Workload, method: str, row_id: str, sampler: CounterSampler, workers: int,
-                timeout_s: float, log) -> dict:
+                timeout_s: float, log, idle_bps: float | None) -> dict:
     """Train ``method`` (ddp or ddp-powersgd) on ``w`` at ``site``; the row (module docstring)."""
     local, remote = site.local_root, site.site_root
     out_site, out_local = f"{remote}/ddp/{row_id}", local / "ddp" / row_id
@@ -237,7 +247,8 @@ def run_ddp_row(site, w: Workload, method: str, row_id: str, sampler: CounterSam
         seconds.append(s["end"] - (previous["end"] if previous else s["start"]))
         window = windows.setdefault(s["epoch"], [s["start"], s["end"], 0])
         window[1], window[2] = s["end"], window[2] + 1
-    bytes_check = [{"epoch": e, "steps": n, "wire_bytes_per_step": site.wire(sampler.between(a, b)) / n}
+    bytes_check = [{"epoch": e, "steps": n, "wire_bytes_per_step": site.wire(sampler.between(a, b)) / n,
+                    "idle_wire_bytes_per_step": idle_per_step(idle_bps, b - a, n)}
                    for e, (a, b, n) in sorted(windows.items())]
     return {
         "method": method, "run_status": "FINISHED", "started": started, "load1_before": load_before,
@@ -245,6 +256,7 @@ def run_ddp_row(site, w: Workload, method: str, row_id: str, sampler: CounterSam
         "step_s": _median(seconds), "compute_s": None, "steps_measured": len(seconds),
         "step_seconds_all": [s["end"] - s["start"] for s in steps],
         "wire_bytes_per_step": bytes_check[-1]["wire_bytes_per_step"] if bytes_check else None,
+        "idle_wire_bytes_per_step": bytes_check[-1]["idle_wire_bytes_per_step"] if bytes_check else None,
         "dpgs_bytes_per_step": None, "bytes_per_epoch": bytes_check,
         "history": result["history"], "test": {k: v for k, v in result["test"].items() if k in TEST_KEYS},
         "worker_ips": site.worker_addresses(), "powersgd_rank": rank,
@@ -252,9 +264,10 @@ def run_ddp_row(site, w: Workload, method: str, row_id: str, sampler: CounterSam
 
 
 def run_row(site, w: Workload, method: str, row_id: str, sampler: CounterSampler, workers: int,
-            timeout_s: float, log) -> dict:
+            timeout_s: float, log, idle_bps: float | None) -> dict:
+    """One row; ``idle_bps``: the site's idle wire bytes per second (None: not measured)."""
     run = run_ddp_row if method in DDP_METHODS else run_dpgs_row
-    row = run(site, w, method, row_id, sampler, workers, timeout_s, log)
+    row = run(site, w, method, row_id, sampler, workers, timeout_s, log, idle_bps)
     return {"workload": w.name, "link": site.link.name, "shaped": site.shaped, "workers": workers,
             "bags_per_step": w.batch, "tiles_per_bag": w.tiles_per_bag, "row_id": row_id, **row}
 

@@ -12,6 +12,11 @@
 ``/proc/<pid>/net/dev`` of a process inside it (every 50 ms, in a thread) and interpolates them at any
 wall-clock time, so the traffic of a window of steps (their ``time.time()`` bounds, recorded by the
 driver or the DDP rank) is the difference of two interpolated counters.
+
+A site also measures its *idle* traffic (:meth:`LabSite.idle_bytes_per_second`): the wire bytes per second
+of the running cluster with no job on it (Ray's own heartbeats, resource reports and metrics). It flows
+during a row's steps too, whether or not dpgs exchanges anything, so a row reports it beside the wire bytes:
+where a step's payload is small (keep 0.1 %), it is most of the gap between the wire and dpgs's count.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from tests.lab.netlab import Lab, LabError  # noqa: E402
 
 RAY_PORT = 6379
 DDP_PORT = 29533
+IDLE_WINDOW_S = 20.0  # how long a site's idle traffic is measured before a link's rows
 OBJECT_STORE_BYTES = 600 << 20
 
 
@@ -198,6 +204,13 @@ class LabSite:
             log = self.lab.path_on(host, "/tmp/ray-start.log")
             raise LabError(f"on {host}: {command} failed: {log.read_text()[-3000:] if log.exists() else ''}")
 
+    def idle_bytes_per_second(self, sampler: CounterSampler, seconds: float = IDLE_WINDOW_S) -> float:
+        """Wire bytes per second (:meth:`wire`) of the running cluster with no job on it, over ``seconds``
+        (waited here)."""
+        start = time.time()
+        time.sleep(seconds)
+        return self.wire(sampler.between(start, time.time())) / seconds
+
     # ---------------------------------------------------------------- links
     def shape(self, link: Link) -> None:
         hosts = (["head"] if self.shape_head else []) + self.workers
@@ -254,6 +267,10 @@ class LoopbackSite:
     def wire(self, counts: dict[str, tuple[float, float]]) -> float:
         """A window's wire bytes: what was sent over the loopback (each byte once)."""
         return counts["lo"][1]
+
+    def idle_bytes_per_second(self, sampler: CounterSampler) -> None:
+        """None: no cluster runs between loopback rows (each row starts its own Ray), so nothing is idle."""
+        return None
 
     def dpgs_overrides(self) -> list[str]:
         return []

@@ -87,9 +87,9 @@ def quick_rows() -> list[dict]:
         row("dpgs-dense", quick=True, step_s=12.0, compute_s=8.0, wire_bytes_per_step=96e6,
             dpgs_bytes_per_step=93e6),
         row("dpgs-keep1", quick=True, step_s=8.4, compute_s=8.0, wire_bytes_per_step=1.1e6,
-            dpgs_bytes_per_step=1.0e6),
+            dpgs_bytes_per_step=1.0e6, idle_wire_bytes_per_step=0.1e6),
         row("dpgs-keep1", quick=True, repeat=1, step_s=9.0, compute_s=8.2, wire_bytes_per_step=1.2e6,
-            dpgs_bytes_per_step=1.0e6),
+            dpgs_bytes_per_step=1.0e6, idle_wire_bytes_per_step=0.15e6),
         row("dpgs-keep1", quick=True, repeat=2, step_s=8.8, compute_s=7.9, wire_bytes_per_step=1.0e6,
             dpgs_bytes_per_step=1.0e6),
         row("dpgs-auto", quick=True, step_s=8.5, compute_s=8.0, auto_keep_ratio=[1.0, 0.01, 0.01],
@@ -106,6 +106,9 @@ def test_summary_takes_medians_and_ratios():
     assert keep1["over_ddp"] == pytest.approx(0.88)
     assert keep1["over_ddp-powersgd"] == pytest.approx(1.1)
     assert keep1["wire_mb"] == pytest.approx(1.1) and keep1["wire_over_dpgs"] == pytest.approx(1.1)
+    # idle traffic: measured on two of the three repeats; (wire - idle) / dpgs: 1.0 and 1.05
+    assert keep1["idle_mb"] == pytest.approx(0.125) and keep1["net_over_dpgs"] == pytest.approx(1.025)
+    assert lines["dpgs-dense"]["idle_mb"] is None and lines["dpgs-dense"]["net_over_dpgs"] is None
     assert lines["dpgs-dense"]["dense_exchange_over_compute"] == pytest.approx(0.5)
     assert lines["ddp"]["compute_s"] == 8.0  # the DPGS rows' median compute
     assert lines["dpgs-auto"]["auto"] == "1 → 0.01 (measured dense exchange 0.04x compute)"
@@ -121,8 +124,11 @@ def test_table_renders_the_measured_figures_and_dashes():
     keep1 = next(line for line in lines if "| dpgs-keep1 |" in line)
     cells = [c.strip() for c in keep1.strip("|").split("|")]
     assert cells[:8] == ["100mbit", "dpgs-keep1", "3", "8.80", "8.00", "1.10x", "0.88x", "1.10x"]
-    assert cells[8:11] == ["1.10", "1.00", "1.100"]
-    assert cells[12:14] == ["–", "–"]  # quick: no time to target, no test AUC
+    assert cells[8:13] == ["1.10", "1.00", "1.100", "0.125", "1.025"]
+    assert cells[14:16] == ["–", "–"]  # quick: no time to target, no test AUC
+    dense_line = next(line for line in lines if "| dpgs-dense |" in line)
+    dense = [c.strip() for c in dense_line.strip("|").split("|")]
+    assert dense[11:13] == ["–", "–"]  # no idle traffic measured
     ddp = [c.strip() for c in next(line for line in lines if "| ddp |" in line).strip("|").split("|")]
     assert ddp[9] == "–" and ddp[10] == "–"  # DDP has no dpgs count
     assert ddp[4:6] == ["8.00*", "–"]  # the DPGS rows' compute, marked; no ratio of its own
