@@ -131,10 +131,10 @@ def merge(rows: list[dict], new: dict) -> list[dict]:
 
 
 # ------------------------------------------------------------------ running rows at a site
-def run_rows(site, w, methods: list[str], workers: int, repeats: int, out: Path, target: float | None,
+def run_rows(site, w, methods: list[str], workers: int, repeats: list[int], out: Path, target: float | None,
              timeout_s: float) -> int:
-    """Every method x repeat at ``site`` (its link already set); rows merged into ``out``. Returns the
-    number of failed rows (each logged)."""
+    """Every method x repeat (``repeats``: their numbers) at ``site`` (its link already set); rows merged
+    into ``out``. Returns the number of failed rows (each logged)."""
     from bandwidth_rows import RowFailed, run_row
 
     failed = 0
@@ -142,7 +142,7 @@ def run_rows(site, w, methods: list[str], workers: int, repeats: int, out: Path,
         idle = site.idle_bytes_per_second(sampler)
         if idle is not None:
             log(f"[{site.link.name}] idle cluster: {idle / 1e3:.1f} kB/s on the wire")
-        for repeat in range(repeats):
+        for repeat in repeats:
             for method in methods:
                 mode = "-quick" if w.quick else ""
                 row_id = f"{w.key}{mode}-{site.link.name}-{method}-P{workers}-r{repeat}"
@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="P: worker hosts / DPGS workers / DDP ranks")
     p.add_argument("--epochs", type=int, help="epochs of a whole run (default: the workload's)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--first-repeat", type=int, default=0,
+                   help="number of the first repeat (rows of other repeats already in --out are kept)")
     p.add_argument("--target", type=float, help="validation-AUC target (default: loopback dpgs-dense's "
                                                 "best - 0.01)")
     p.add_argument("--unshaped-head", action="store_true", help="shape only the worker hosts' links")
@@ -257,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                             ROOT / "docs" / "benchmarks" / f"bandwidth-{args.workload}.json")
     if os.geteuid() != 0:
         p.error("the benchmark needs root (network namespaces, tc)")
+    if args.repeats < 1 or args.first_repeat < 0:
+        p.error("--repeats must be at least 1 and --first-repeat at least 0")
+    args.repeats = list(range(args.first_repeat, args.first_repeat + args.repeats))
     w = workload(args.workload, args.quick, args.epochs, args.workers)
     start = time.monotonic()
     prepare(w, args.cache, log)

@@ -150,6 +150,13 @@ def _f(value: float | None, digits: int = 2, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _seconds(value: float | None, suffix: str = "") -> str:
+    """Seconds: two decimals from 1 s up, three significant digits below (a features step is ~0.03 s)."""
+    if value is None:
+        return "–"
+    return (f"{value:.2f}" if value >= 1 else f"{value:.3g}") + suffix
+
+
 def _auc(line: dict) -> str:
     if line["test_auc"] is None:
         return "–"
@@ -179,8 +186,8 @@ def render_table(lines: list[dict]) -> str:
     out = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for m in lines:
         out.append("| " + " | ".join([
-            m["link"], m["method"], str(m["repeats"]), _f(m["step_s"]),
-            _f(m["compute_s"], 2, "*" if m["compute_source"] else ""),
+            m["link"], m["method"], str(m["repeats"]), _seconds(m["step_s"]),
+            _seconds(m["compute_s"], "*" if m["compute_source"] else ""),
             "–" if m["compute_source"] else _f(m["step_over_compute"], 2, "x"),
             _f(m["over_ddp"], 2, "x"), _f(m["over_ddp-powersgd"], 2, "x"),
             _f(m["wire_mb"], 2), _f(m["dpgs_mb"], 2), _f(m["wire_over_dpgs"], 3), _f(m["idle_mb"], 3),

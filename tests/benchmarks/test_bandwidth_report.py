@@ -133,6 +133,8 @@ def test_table_renders_the_measured_figures_and_dashes():
     assert ddp[9] == "–" and ddp[10] == "–"  # DDP has no dpgs count
     assert ddp[4:6] == ["8.00*", "–"]  # the DPGS rows' compute, marked; no ratio of its own
     assert "1 → 0.01" in next(line for line in lines if "dpgs-auto" in line)
+    small = render_table(summarize(derive([row("dpgs-keep1", step_s=0.034, compute_s=0.025)], {})))
+    assert "| 0.034 | 0.025 | 1.36x |" in small  # seconds below 1: three significant digits
 
 
 def test_report_of_whole_runs_shows_time_to_target_auc_and_curves(tmp_path):
