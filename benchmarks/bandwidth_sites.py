@@ -95,6 +95,13 @@ class CounterSampler:
         f = (t - t0) / (t1 - t0)
         return {k: (a[k][0] + f * (b[k][0] - a[k][0]), a[k][1] + f * (b[k][1] - a[k][1])) for k in a}
 
+    def wait_past(self, t: float) -> None:
+        """Return once a sample later than wall-clock ``t`` was taken (so that :meth:`at` can read ``t``)."""
+        while not self.times or self.times[-1] < t:
+            if not self._thread.is_alive():
+                raise RuntimeError("the counter sampler is not running")
+            time.sleep(self.period)
+
     def between(self, start: float, end: float) -> dict[str, tuple[float, float]]:
         """(rx, tx) bytes of every source between ``start`` and ``end``."""
         a, b = self.at(start), self.at(end)
@@ -209,7 +216,9 @@ class LabSite:
         (waited here)."""
         start = time.time()
         time.sleep(seconds)
-        return self.wire(sampler.between(start, time.time())) / seconds
+        end = time.time()
+        sampler.wait_past(end)
+        return self.wire(sampler.between(start, end)) / (end - start)
 
     # ---------------------------------------------------------------- links
     def shape(self, link: Link) -> None:
