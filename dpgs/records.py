@@ -22,7 +22,7 @@ MLflow: params are the flattened config plus :data:`RUN_PARAMS`; tags are the ``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from dpgs.errors import RunFailure
@@ -94,7 +94,8 @@ def save_checkpoint(path: str | Path, master: MasterCheckpoint, driver: dict, wo
         raise ValueError(f"checkpoint driver part lacks {', '.join(missing)}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return save_torch_atomically(
-        {"format": CHECKPOINT_FORMAT, "master": asdict(master), "driver": driver, "workers": list(workers)},
+        {"format": CHECKPOINT_FORMAT, "master": {f.name: getattr(master, f.name) for f in fields(master)},
+         "driver": driver, "workers": list(workers)},  # not asdict: it would deep-copy every tensor first
         path,
     )
 

@@ -177,6 +177,7 @@ class DpgsEngine:
         for chunk in self._chunks(todo):
             self._run_chunk(chunk, plans, epoch, history, reports)
         self.skip_steps = 0
+        self.group.ask_state()  # the trainer's next asks (weights, checkpoint) arrive during validation
         if self.keep.auto:
             self._measured(reports, todo)
         metrics = epoch_metrics(reports, len(self.group.workers))

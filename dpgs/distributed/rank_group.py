@@ -62,6 +62,15 @@ class GroupHooks:
     after_submit: Any = None
 
 
+@dataclass(frozen=True)
+class AskedState:
+    """Object refs of answers asked for ahead (:meth:`RankGroup.ask_state`): the master's weights and each
+    worker's step-synchronisation state."""
+
+    weights: ray.ObjectRef
+    sync_states: list
+
+
 class RankGroup:
     """The master (rank 0) and the workers (ranks 1..P), formed into one group (module docstring).
 
@@ -82,6 +91,7 @@ class RankGroup:
         self.transport: str | None = None
         self.mailbox = None
         self.fold = None  # object ref of the fold's start (sent again to restarted workers)
+        self.asked: AskedState | None = None  # answers asked for ahead (:meth:`ask_state`)
         self.watch = GcsWatch(ray.get_runtime_context().gcs_address)
         with ray_failures("the DPGS master and workers could not form their group", self.watch):
             self.form()
@@ -135,12 +145,14 @@ class RankGroup:
     @reports_ray_failures("starting the fold on the master and workers")
     def start_fold(self, fold: FoldStart) -> None:
         """Every rank takes the fold's initial weights, class weights and step synchronisation."""
+        self.asked = None
         self.fold = ray.put(fold)
         self._get([r.start_fold.remote(self.fold) for r in self.ranks])
 
     @reports_ray_failures("resynchronising the workers with the master")
     def resync(self) -> int:
         """Every worker holds what the master says in-sync workers hold; returns the master's version."""
+        self.asked = None
         state = self.master.replica_state.remote()
         self._get(self.workers.call("resync", state))
         return self.version()
@@ -150,14 +162,22 @@ class RankGroup:
         """The master's version (optimizer steps taken in this fold)."""
         return self._get(self.master.version.remote())
 
+    def ask_state(self) -> None:
+        """Ask the master for its weights and every worker for its step-synchronisation state now, without
+        waiting: the answers arrive while the driver does other work (validation, writing files), and
+        :meth:`model_state` and :meth:`save_checkpoint` take them, until the group's state changes (steps,
+        a new fold, a resynchronisation, a restore). One round trip less each, at every epoch's end."""
+        self.asked = AskedState(self.master.model_state.remote(), self.workers.call("sync_state"))
+
     @reports_ray_failures("fetching the weights from the master")
     def model_state(self) -> dict:
-        return self._get(self.master.model_state.remote())
+        return self._get(self.asked.weights if self.asked else self.master.model_state.remote())
 
     def sync_states(self) -> list:
         """Each worker's step-synchronisation state (None for a worker that does not answer)."""
         states = []
-        for ref in self.workers.call("sync_state"):  # asked of every worker at once
+        refs = self.asked.sync_states if self.asked else self.workers.call("sync_state")  # all at once
+        for ref in refs:
             try:
                 states.append(self._get(ref))
             except (RayActorError, GetTimeoutError):
@@ -172,6 +192,7 @@ class RankGroup:
     @reports_ray_failures("restoring the DPGS checkpoint")
     def restore(self, checkpoint: Checkpoint) -> int:
         """Load a checkpoint's master state and the workers' states; returns the version."""
+        self.asked = None
         self._get(self.master.load_state_dict.remote(checkpoint.master))
         states = checkpoint.workers
         if len(states) == len(self.workers) and all(s is not None for s in states):
@@ -188,6 +209,7 @@ class RankGroup:
     # ---------------------------------------------------------------- running steps
     def run(self, plan: ChunkPlan) -> ChunkReports:
         """Run ``plan`` on the group, recovering from worker failures (module docstring)."""
+        self.asked = None
         reports = ChunkReports()
         attempts = 0
         while plan.steps:
