@@ -26,7 +26,6 @@ import dpgs.distributed.session as session
 from dpgs.cli import main as dpgs_main
 from dpgs.distributed.rank_group import RankGroup
 
-
 CHUNK_END_PAUSE_S = 0.15  # three periods of the benchmark's counter sampler
 
 
