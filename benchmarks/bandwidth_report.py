@@ -12,7 +12,7 @@ One table per workload and mode, one line per link x method, medians over the re
 s/step, compute s (DDP rows: the DPGS rows' compute on the link, ``compute_source``), step / compute,
 s/step relative to ``ddp`` and ``ddp-powersgd`` on the same link, wire MB/step (the hosts' interface
 counters), dpgs MB/step (dpgs's own count) and wire / dpgs, idle MB/step (the cluster's traffic with no
-job, over the same seconds) and (wire - idle) / dpgs, the link's dense exchange / compute
+job, over the same seconds, in kB) and (wire - idle) / dpgs, the link's dense exchange / compute
 (``dpgs-dense``'s step - compute over compute), time to the validation target, test AUC with its
 bootstrap interval, and for ``dpgs-auto`` the keep ratios it chose. Where rows have per-epoch histories
 (whole runs), ``bandwidth-<workload>-<link>.png``: validation AUC against wall seconds, one curve a method.
@@ -118,7 +118,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             wire_mb=wire / 1e6 if wire is not None else None,
             dpgs_mb=own / 1e6 if own is not None else None,
             wire_over_dpgs=wire / own if wire is not None and own else None,
-            idle_mb=idle / 1e6 if idle is not None else None,
+            idle_kb=idle / 1e3 if idle is not None else None,
             net_over_dpgs=statistics.median(net) if net else None,
             dense_exchange_over_compute=median_of(rs, "dense_exchange_over_compute"),
             time_to_target_s=median_of(rs, "time_to_target_s"),
@@ -176,7 +176,7 @@ def _time_to(line: dict) -> str:
 
 HEADER = ("| link | method | runs | s/step | compute s | step / compute | / ddp | / ddp-powersgd "
           "| wire MB/step "
-          "| dpgs MB/step | wire / dpgs | idle MB/step | (wire - idle) / dpgs | dense exchange / compute "
+          "| dpgs MB/step | wire / dpgs | idle kB/step | (wire - idle) / dpgs | dense exchange / compute "
           "| time to target (s) | test AUC [95% CI] "
           "| auto chose |")
 
@@ -190,7 +190,7 @@ def render_table(lines: list[dict]) -> str:
             _seconds(m["compute_s"], "*" if m["compute_source"] else ""),
             "–" if m["compute_source"] else _f(m["step_over_compute"], 2, "x"),
             _f(m["over_ddp"], 2, "x"), _f(m["over_ddp-powersgd"], 2, "x"),
-            _f(m["wire_mb"], 2), _f(m["dpgs_mb"], 2), _f(m["wire_over_dpgs"], 3), _f(m["idle_mb"], 3),
+            _f(m["wire_mb"], 2), _f(m["dpgs_mb"], 2), _f(m["wire_over_dpgs"], 3), _f(m["idle_kb"], 1),
             _f(m["net_over_dpgs"], 3),
             _f(m["dense_exchange_over_compute"], 2), _time_to(m), _auc(m), m["auto"] or "",
         ]) + " |")
@@ -237,8 +237,8 @@ have no compute time of their own (the backward overlaps the all-reduce): their 
 median of the DPGS rows' on the same link (marked `*`; no step / compute for them). `wire MB/step`:
 rx + tx of the worker hosts' interfaces during the steps (loopback: bytes sent on `lo`); a byte between
 the head and a worker counts once, a byte between two workers (DDP's ring) twice. `dpgs MB/step`:
-dpgs's `comm_bytes_per_step` (up + down payloads) of the same steps. `idle MB/step`: the wire bytes of
-the lab's cluster with no job on it (Ray's heartbeats, resource reports, metrics; measured for 20 s before
+dpgs's `comm_bytes_per_step` (up + down payloads) of the same steps. `idle kB/step`: the wire bytes of
+the lab's cluster with no job on it (Ray's heartbeats, resource reports, metrics; measured for 10-20 s before
 a link's rows) per second, times the seconds of the same steps, per step (`–`: not measured: loopback,
 or rows from before it was); `(wire - idle) / dpgs` is the median of the rows' ratios.
 `dense exchange / compute`: `dpgs-dense`'s (step - compute) / compute on that link.

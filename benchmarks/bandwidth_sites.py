@@ -38,7 +38,7 @@ from tests.lab.netlab import Lab, LabError  # noqa: E402
 
 RAY_PORT = 6379
 DDP_PORT = 29533
-IDLE_WINDOW_S = 20.0  # how long a site's idle traffic is measured before a link's rows
+IDLE_WINDOW_S = 10.0  # how long a site's idle traffic is measured before a link's rows
 OBJECT_STORE_BYTES = 600 << 20
 
 

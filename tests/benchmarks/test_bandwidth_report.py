@@ -107,8 +107,8 @@ def test_summary_takes_medians_and_ratios():
     assert keep1["over_ddp-powersgd"] == pytest.approx(1.1)
     assert keep1["wire_mb"] == pytest.approx(1.1) and keep1["wire_over_dpgs"] == pytest.approx(1.1)
     # idle traffic: measured on two of the three repeats; (wire - idle) / dpgs: 1.0 and 1.05
-    assert keep1["idle_mb"] == pytest.approx(0.125) and keep1["net_over_dpgs"] == pytest.approx(1.025)
-    assert lines["dpgs-dense"]["idle_mb"] is None and lines["dpgs-dense"]["net_over_dpgs"] is None
+    assert keep1["idle_kb"] == pytest.approx(125.0) and keep1["net_over_dpgs"] == pytest.approx(1.025)
+    assert lines["dpgs-dense"]["idle_kb"] is None and lines["dpgs-dense"]["net_over_dpgs"] is None
     assert lines["dpgs-dense"]["dense_exchange_over_compute"] == pytest.approx(0.5)
     assert lines["ddp"]["compute_s"] == 8.0  # the DPGS rows' median compute
     assert lines["dpgs-auto"]["auto"] == "1 → 0.01 (measured dense exchange 0.04x compute)"
@@ -124,7 +124,7 @@ def test_table_renders_the_measured_figures_and_dashes():
     keep1 = next(line for line in lines if "| dpgs-keep1 |" in line)
     cells = [c.strip() for c in keep1.strip("|").split("|")]
     assert cells[:8] == ["100mbit", "dpgs-keep1", "3", "8.80", "8.00", "1.10x", "0.88x", "1.10x"]
-    assert cells[8:13] == ["1.10", "1.00", "1.100", "0.125", "1.025"]
+    assert cells[8:13] == ["1.10", "1.00", "1.100", "125.0", "1.025"]
     assert cells[14:16] == ["–", "–"]  # quick: no time to target, no test AUC
     dense_line = next(line for line in lines if "| dpgs-dense |" in line)
     dense = [c.strip() for c in dense_line.strip("|").split("|")]
