@@ -16,7 +16,8 @@ driver or the DDP rank) is the difference of two interpolated counters.
 A site also measures its *idle* traffic (:meth:`LabSite.idle_bytes_per_second`): the wire bytes per second
 of the running cluster with no job on it (Ray's own heartbeats, resource reports and metrics). It flows
 during a row's steps too, whether or not dpgs exchanges anything, so a row reports it beside the wire bytes:
-where a step's payload is small (keep 0.1 %), it is most of the gap between the wire and dpgs's count.
+on the tile workload's multi-second steps at keep 0.1 % it is most of the gap between the wire and dpgs's
+count (on a 30 ms step it is next to nothing).
 """
 
 from __future__ import annotations
