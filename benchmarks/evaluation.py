@@ -128,7 +128,8 @@ def workers_evaluation(config, data, model, indices: list[int], protocol, worker
     in_dim = None if config.model.encoder else data.dataset.feature_dim
     spec = ModelSpec(config.model, in_dim, len(data.manifest.classes))
     connect(config.dpgs)
-    actors, _ = start_workers(dpgs_roles(config), config, spec, data.dataset)
+    roles = dpgs_roles(config)
+    actors = start_workers(roles, config, spec, data.dataset, roles.worker.launch(config))
     state, lengths = model.state_dict(), data.eval_dataset.lengths()
 
     def on_driver(shard):

@@ -25,6 +25,7 @@ from dpgs.distributed.rendezvous import Rendezvous, free_address
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import StepSync
 from dpgs.distributed.transport import MASTER_RANK, Channel, ChannelBroken
+from dpgs.outputs import save_torch_atomically
 from dpgs.records import MasterCheckpoint, save_checkpoint
 
 
@@ -113,6 +114,14 @@ class Master:
         """Write the run's checkpoint (``dpgs.records``) to ``path`` atomically; ``workers``: each worker's
         step-synchronisation state (its error-feedback residual)."""
         return str(save_checkpoint(path, self.state_dict(), driver, workers))
+
+    def save_epoch(self, weights_files: list[str], path: str, driver: dict, workers: list) -> str:
+        """An epoch's end: the weights to each of ``weights_files`` (``last.pt``, ``best.pt``), then the
+        checkpoint (:meth:`save_checkpoint`). Each file is written atomically."""
+        weights = self.replica.model.state_dict()
+        for file in weights_files:
+            save_torch_atomically(weights, file)
+        return self.save_checkpoint(path, driver, workers)
 
     def ping(self) -> int:
         return os.getpid()

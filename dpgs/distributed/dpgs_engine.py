@@ -31,7 +31,7 @@ from dpgs.distributed.schedule import ByteModel, KeepSchedule, step_compute_seco
 from dpgs.distributed.sharded_eval import evaluate_on_workers
 from dpgs.distributed.sync import build_sync
 from dpgs.records import CHECKPOINT_FILE, Checkpoint
-from dpgs.train.engine import FoldSetup
+from dpgs.train.engine import EpochEnd, FoldSetup
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
 
@@ -177,7 +177,8 @@ class DpgsEngine:
         for chunk in self._chunks(todo):
             self._run_chunk(chunk, plans, epoch, history, reports)
         self.skip_steps = 0
-        self.group.ask_state()  # the trainer's next asks (weights, checkpoint) arrive during validation
+        # the trainer's next asks (the checkpoint's residuals; weights for validation on inexact replicas)
+        self.group.ask_state(weights=not self.replicas_exact)  # arrive during validation
         if self.keep.auto:
             self._measured(reports, todo)
         metrics = epoch_metrics(reports, len(self.group.workers))
@@ -251,9 +252,9 @@ class DpgsEngine:
             self.bytes = self.bytes.calibrated(ratio, sum(sizes) / len(sizes))
 
     # ------------------------------------------------------------------ state
-    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path:
-        """Master state, workers' residuals and the driver's progress (resume before ``step_in_epoch``)."""
-        driver = {
+    def _driver_state(self, epoch: int, step_in_epoch: int, history: list[dict]) -> dict:
+        """The driver's part of a checkpoint: its progress (resume before ``step_in_epoch`` of ``epoch``)."""
+        return {
             "epoch": epoch,
             "step_in_epoch": step_in_epoch,
             "history": history,
@@ -262,7 +263,22 @@ class DpgsEngine:
             "seed": self.config.seed,
             "config": config_to_dict(self.config),  # what a resume compares its own config with
         }
+
+    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path:
+        """Master state, workers' residuals and the driver's progress, written before this returns."""
+        driver = self._driver_state(epoch, step_in_epoch, history)
         return Path(self.group.save_checkpoint(str(self.out_dir / CHECKPOINT_FILE), driver))
+
+    def save_epoch(self, end: EpochEnd) -> None:
+        """The master writes the weights files and the checkpoint that resumes at epoch ``end.epoch + 1``
+        while the driver goes on (``RankGroup.save_epoch``): per epoch, the weights no longer travel to the
+        driver, and the writes overlap the driver's logging and the workers' first step."""
+        driver = self._driver_state(end.epoch + 1, 0, end.history)
+        files = [str(p) for p in end.weights_files]
+        self.group.save_epoch(files, str(self.out_dir / CHECKPOINT_FILE), driver)
+
+    def wait_saved(self) -> None:
+        self.group.wait_saved()
 
     def restore(self, checkpoint: Checkpoint) -> dict:
         """Continue from ``checkpoint``; returns its driver part (epoch, step in epoch, history)."""

@@ -64,10 +64,10 @@ class GroupHooks:
 
 @dataclass(frozen=True)
 class AskedState:
-    """Object refs of answers asked for ahead (:meth:`RankGroup.ask_state`): the master's weights and each
-    worker's step-synchronisation state."""
+    """Object refs of answers asked for ahead (:meth:`RankGroup.ask_state`): the master's weights (None when
+    not asked) and each worker's step-synchronisation state."""
 
-    weights: ray.ObjectRef
+    weights: ray.ObjectRef | None
     sync_states: list
 
 
@@ -92,6 +92,7 @@ class RankGroup:
         self.mailbox = None
         self.fold = None  # object ref of the fold's start (sent again to restarted workers)
         self.asked: AskedState | None = None  # answers asked for ahead (:meth:`ask_state`)
+        self.saving: ray.ObjectRef | None = None  # the master writing an epoch's files (:meth:`save_epoch`)
         self.watch = GcsWatch(ray.get_runtime_context().gcs_address)
         with ray_failures("the DPGS master and workers could not form their group", self.watch):
             self.form()
@@ -162,16 +163,19 @@ class RankGroup:
         """The master's version (optimizer steps taken in this fold)."""
         return self._get(self.master.version.remote())
 
-    def ask_state(self) -> None:
-        """Ask the master for its weights and every worker for its step-synchronisation state now, without
-        waiting: the answers arrive while the driver does other work (validation, writing files), and
-        :meth:`model_state` and :meth:`save_checkpoint` take them, until the group's state changes (steps,
-        a new fold, a resynchronisation, a restore). One round trip less each, at every epoch's end."""
-        self.asked = AskedState(self.master.model_state.remote(), self.workers.call("sync_state"))
+    def ask_state(self, weights: bool = True) -> None:
+        """Ask every worker for its step-synchronisation state now, and the master for its weights when
+        ``weights``, without waiting: the answers arrive while the driver does other work (validation), and
+        :meth:`model_state`, :meth:`save_checkpoint` and :meth:`save_epoch` take them, until the group's
+        state changes (steps, a new fold, a resynchronisation, a restore). One round trip less each, at
+        every epoch's end."""
+        self.asked = AskedState(self.master.model_state.remote() if weights else None,
+                                self.workers.call("sync_state"))
 
     @reports_ray_failures("fetching the weights from the master")
     def model_state(self) -> dict:
-        return self._get(self.asked.weights if self.asked else self.master.model_state.remote())
+        asked = self.asked.weights if self.asked else None
+        return self._get(asked if asked is not None else self.master.model_state.remote())
 
     def sync_states(self) -> list:
         """Each worker's step-synchronisation state (None for a worker that does not answer)."""
@@ -188,6 +192,28 @@ class RankGroup:
     def save_checkpoint(self, path: str, driver: dict) -> str:
         """Master state, the workers' synchronisation states and ``driver``, atomically to ``path``."""
         return self._get(self.master.save_checkpoint.remote(path, driver, self.sync_states()))
+
+    def save_epoch(self, weights_files: list[str], path: str, driver: dict) -> None:
+        """Have the master write an epoch's weights files and checkpoint (``Master.save_epoch``) without
+        waiting: it writes them before it runs the next chunk, while the driver logs the epoch and the
+        workers compute their first step. :meth:`wait_saved` waits (and is called first here: one epoch's
+        files at most are pending)."""
+        self.wait_saved()
+        self.saving = self.master.save_epoch.remote(weights_files, path, driver, self.sync_states())
+
+    @reports_ray_failures("writing the epoch's weights files and checkpoint")
+    def wait_saved(self) -> None:
+        """Wait for the files of :meth:`save_epoch`; a write that failed in the master raises its own
+        ``OSError`` (naming the file; the previous file of that name is intact)."""
+        if self.saving is None:
+            return
+        ref, self.saving = self.saving, None
+        try:
+            self._get(ref)
+        except RayTaskError as err:
+            if isinstance(err.cause, OSError):
+                raise err.cause from None
+            raise
 
     @reports_ray_failures("restoring the DPGS checkpoint")
     def restore(self, checkpoint: Checkpoint) -> int:

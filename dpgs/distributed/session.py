@@ -17,10 +17,9 @@ from dpgs.runwatch import WATCHER
 from dpgs.train.engine import FoldSetup
 
 
-def start_workers(roles: Roles, config: Config, spec, dataset) -> tuple[PlacedActors, WorkerLaunch]:
-    """The P worker actors of ``roles.worker`` (printing where each runs)."""
+def start_workers(roles: Roles, config: Config, spec, dataset, launch: WorkerLaunch) -> PlacedActors:
+    """The P worker actors of ``roles.worker`` started as ``launch`` says (printing where each runs)."""
     cfg = config.dpgs
-    launch = roles.worker.launch(config)
     workers = PlacedActors(
         roles.worker,
         cfg.workers,
@@ -41,7 +40,7 @@ def start_workers(roles: Roles, config: Config, spec, dataset) -> tuple[PlacedAc
     for lines in where:
         for line in lines:
             print(f"[dpgs] {line}", flush=True)
-    return workers, launch
+    return workers
 
 
 class DpgsSession:
@@ -60,13 +59,18 @@ class DpgsSession:
         config = setup.config
         connect(config.dpgs)
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        with ray_failures("the DPGS workers could not start (is dpgs installed alike on every node?)"):
-            workers, self.launch = start_workers(self.roles, config, setup.spec, setup.dataset)
-        master = (
+        self.launch = self.roles.worker.launch(config)
+        master = (  # starts while the workers start
             ray.remote(self.roles.master)
             .options(num_cpus=0, max_restarts=0, max_task_retries=0, scheduling_strategy=here)
             .remote(setup.spec, config, self.launch.threads)
         )
+        try:
+            with ray_failures("the DPGS workers could not start (is dpgs installed alike on every node?)"):
+                workers = start_workers(self.roles, config, setup.spec, setup.dataset, self.launch)
+        except BaseException:
+            ray.kill(master, no_restart=True)
+            raise
         try:
             group = RankGroup(config.dpgs, master, workers, here)
         except BaseException:

@@ -39,6 +39,17 @@ class FoldSetup:
             self.eval_dataset = self.dataset
 
 
+@dataclass(frozen=True)
+class EpochEnd:
+    """What is saved when an epoch ends: the current weights to every file of ``weights_files`` (``last.pt``,
+    and ``best.pt`` when the epoch improved the monitored metric), then, where the engine can resume, the
+    checkpoint that continues at the start of epoch ``epoch + 1`` with ``history`` (every epoch's row)."""
+
+    epoch: int
+    history: list[dict]
+    weights_files: tuple[Path, ...]
+
+
 class Engine(Protocol):
     """One fold's optimizer steps (single process or DPGS); the trainer relies on nothing else."""
 
@@ -53,8 +64,13 @@ class Engine(Protocol):
     def state_dict(self) -> dict:
         """The current weights (what ``last.pt`` and ``best.pt`` hold)."""
 
-    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path | None:
-        """Save what a resume needs before step ``step_in_epoch`` of ``epoch``; None if not resumable."""
+    def save_epoch(self, end: EpochEnd) -> None:
+        """Write ``end``'s weights files and checkpoint. It may return before they are on disk (DPGS: the
+        master writes them while the next epoch starts); :meth:`wait_saved` waits for them."""
+
+    def wait_saved(self) -> None:
+        """Return once everything :meth:`save_epoch` was asked to write is written; raise what writing it
+        raised (``OSError`` naming the file)."""
 
     def restore(self, checkpoint: dict) -> dict:
         """Continue from ``checkpoint``; returns its driver part (``epoch``, ``history``)."""

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from dpgs.config.schema import TrainConfig
 from dpgs.data import Prefetcher
 from dpgs.modeling import input_to
-from dpgs.train.engine import FoldSetup
+from dpgs.outputs import save_torch_atomically
+from dpgs.train.engine import EpochEnd, FoldSetup
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import build_optimizer, clip_coefficient, grad_norm, learning_rate, optimizer_step
 from dpgs.train.steps import batch_loss, check_mode_supported
@@ -131,9 +132,15 @@ class LocalEngine:
     def state_dict(self) -> dict:
         return self.model.state_dict()
 
-    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> None:
-        """Single-process runs are not resumable mid-run (``last.pt``/``best.pt`` hold their weights)."""
-        return None
+    def save_epoch(self, end: EpochEnd) -> None:
+        """The weights files, written before this returns (single-process runs are not resumable mid-run:
+        ``last.pt``/``best.pt`` hold their weights)."""
+        weights = self.model.state_dict()
+        for path in end.weights_files:
+            save_torch_atomically(weights, path)
+
+    def wait_saved(self) -> None:
+        """Nothing is pending: :meth:`save_epoch` writes before it returns."""
 
     def restore(self, checkpoint: dict) -> dict:
         raise ValueError("--resume needs train.mode=dpgs (single-process runs restart from best.pt)")

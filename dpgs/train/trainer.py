@@ -56,7 +56,7 @@ from dpgs.records import (
 )
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
-from dpgs.train.engine import Engine, FoldSetup, Session
+from dpgs.train.engine import Engine, EpochEnd, FoldSetup, Session
 from dpgs.train.evaluate import EvalPlan, validation_protocol
 from dpgs.train.optim import class_weights_for
 from dpgs.train.resume_check import check_resume, check_resume_classes
@@ -96,8 +96,14 @@ def is_improvement(value: float, best: float | None, mode: str) -> bool:
 
 
 def close_after_error(engine: Engine) -> None:
-    """Release ``engine`` while an error or interrupt ends the fold; a failure to release (a dead cluster)
-    is printed, so that the error that ended the run is the one reported."""
+    """Release ``engine`` while an error or interrupt ends the fold, once the files of the last epoch it
+    saved are written (an interrupted run resumes from that epoch's checkpoint); a failure to write or to
+    release (a dead cluster) is printed, so that the error that ended the run is the one reported."""
+    try:
+        engine.wait_saved()
+    except Exception as err:
+        print(f"[dpgs] warning: the last epoch's files could not be written: {type(err).__name__}: {err}",
+              file=sys.stderr)
     try:
         engine.close()
     except Exception as err:
@@ -190,19 +196,17 @@ class FoldTrainer:
                 row["epoch_seconds"] = time.perf_counter() - epoch_start
                 row["elapsed_seconds"] = time.perf_counter() - start
                 history.append(row)
-                weights = engine.state_dict()
-                save_torch_atomically(weights, self.out_dir / LAST_WEIGHTS)
                 value = row.get(monitor)
                 improved = is_improvement(value, best_value, mode) if val_idx else True
                 if improved:
                     best_value = value if val_idx else None
                     best_epoch, best_elapsed, stale = epoch, row["elapsed_seconds"], 0
-                    save_torch_atomically(weights, self.out_dir / BEST_WEIGHTS)
                 else:
                     stale += 1
+                weights = (self.out_dir / LAST_WEIGHTS, *((self.out_dir / BEST_WEIGHTS,) if improved else ()))
+                engine.save_epoch(EpochEnd(epoch, history, weights))
                 tracker.log_metrics({k: v for k, v in row.items() if k != "epoch"}, step=epoch)
                 self._write_history(history)
-                engine.checkpoint(epoch + 1, 0, history)
                 summary = ", ".join(
                     f"{k}={v:.4f}" for k, v in row.items() if k.startswith(("train_loss", "val_"))
                 )
@@ -210,6 +214,7 @@ class FoldTrainer:
                 if cfg.train.early_stopping.patience and stale >= cfg.train.early_stopping.patience:
                     print(f"[{self.split.name}] early stopping: no {monitor} improvement for {stale} epochs")
                     break
+            engine.wait_saved()
             if not (self.out_dir / BEST_WEIGHTS).exists():
                 save_torch_atomically(engine.state_dict(), self.out_dir / BEST_WEIGHTS)
                 best_epoch, best_elapsed = history[-1]["epoch"], history[-1]["elapsed_seconds"]

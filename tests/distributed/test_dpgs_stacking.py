@@ -190,7 +190,7 @@ def test_state_asked_at_an_epochs_end_is_the_groups_until_it_runs_steps(ray_clus
         assert all(torch.equal(held[k], v) for k, v in group.model_state().items())
         assert all(torch.equal(a["uplink"]["residual"], b)
                    for a, b in zip(group.sync_states(), residuals, strict=True))
-        group.ask_state = lambda: None  # epoch 2 asks nothing ahead: the group must ask afresh
+        group.ask_state = lambda weights: None  # epoch 2 asks nothing ahead: the group must ask afresh
         engine.run_epoch([[8, 9, 10, 11]], 2, [])
         assert group.asked is None
         after = group.model_state()
@@ -198,6 +198,64 @@ def test_state_asked_at_an_epochs_end_is_the_groups_until_it_runs_steps(ray_clus
         assert all(torch.equal(after[k], v) for k, v in ray.get(group.master.model_state.remote()).items())
         assert not all(torch.equal(a["uplink"]["residual"], b)
                        for a, b in zip(group.sync_states(), residuals, strict=True))
+
+
+def test_the_master_writes_an_epochs_files_while_the_next_epoch_runs(ray_cluster, bags, tmp_path):
+    """``save_epoch`` returns before the files are written; the master writes them before it runs the next
+    chunk, so they hold the weights of the epoch's end (not the next epoch's) and the checkpoint resumes
+    there."""
+    from dpgs.train.engine import EpochEnd
+
+    out = tmp_path / "run"
+    config = make_config(*bags, out, "train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=0.05")
+    out.mkdir()
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        engine.run_epoch([[0, 1, 2, 3], [4, 5, 6, 7]], 1, [])
+        epoch_1 = ray.get(engine.group.master.model_state.remote())
+        residuals = [s["uplink"]["residual"] for s in ray.get(engine.group.workers.call("sync_state"))]
+        engine.save_epoch(EpochEnd(1, [{"epoch": 1}], (out / "last.pt", out / "best.pt")))
+        assert engine.group.saving is not None  # not waited for
+        engine.run_epoch([[8, 9, 10, 11]], 2, [{"epoch": 1}])
+        engine.wait_saved()
+        assert engine.group.saving is None
+        epoch_2 = engine.state_dict()
+    for name in ("last.pt", "best.pt"):
+        written = torch.load(out / name, weights_only=True)
+        assert all(torch.equal(written[k], v) for k, v in epoch_1.items()), name
+    assert any(not torch.equal(epoch_2[k], v) for k, v in epoch_1.items())
+    checkpoint = torch.load(out / CHECKPOINT_FILE, weights_only=True)
+    assert checkpoint["driver"]["epoch"] == 2 and checkpoint["driver"]["step_in_epoch"] == 0
+    assert checkpoint["driver"]["history"] == [{"epoch": 1}]
+    assert checkpoint["master"]["step"] == 2
+    assert all(torch.equal(w["uplink"]["residual"], r)
+               for w, r in zip(checkpoint["workers"], residuals, strict=True))
+
+
+def test_a_failed_epoch_write_in_the_master_raises_its_oserror_and_keeps_the_previous_file(
+        ray_cluster, bags, tmp_path):
+    from dpgs.train.engine import EpochEnd
+
+    out = tmp_path / "run"
+    config = make_config(*bags, out, "train.mode=dpgs", "dpgs.workers=2", *DENSE)
+    out.mkdir()
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        engine.run_epoch([[0, 1, 2, 3]], 1, [])
+        engine.save_epoch(EpochEnd(1, [], (out / "last.pt",)))
+        engine.wait_saved()
+        before = (out / "last.pt").read_bytes()
+        engine.run_epoch([[4, 5, 6, 7]], 2, [])
+        (out / "best.pt").mkdir()  # the rename onto it fails
+        engine.save_epoch(EpochEnd(2, [], (out / "last.pt", out / "best.pt")))
+        with pytest.raises(OSError, match=re.escape(f"cannot write {out / 'best.pt'}")) as raised:
+            engine.wait_saved()
+        assert "RayTaskError" not in type(raised.value).__name__
+        engine.wait_saved()  # reported once
+    assert (out / "last.pt").read_bytes() != before  # written before best.pt failed
+    assert torch.load(out / CHECKPOINT_FILE, weights_only=True)["driver"]["epoch"] == 2  # epoch 1's
 
 
 def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tmp_path):
