@@ -274,7 +274,7 @@ class DpgsEngine:
         while the driver goes on (``RankGroup.save_epoch``): per epoch, the weights no longer travel to the
         driver, and the writes overlap the driver's logging and the workers' first step."""
         driver = self._driver_state(end.epoch + 1, 0, end.history)
-        files = [str(p) for p in end.weights_files]
+        files = [str(Path(p).resolve()) for p in end.weights_files]  # the master runs in another directory
         self.group.save_epoch(files, str(self.out_dir / CHECKPOINT_FILE), driver)
 
     def wait_saved(self) -> None:

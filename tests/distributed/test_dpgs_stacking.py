@@ -233,6 +233,26 @@ def test_the_master_writes_an_epochs_files_while_the_next_epoch_runs(ray_cluster
                for w, r in zip(checkpoint["workers"], residuals, strict=True))
 
 
+def test_epoch_files_named_relative_to_the_drivers_directory_land_there(ray_cluster, bags, tmp_path,
+                                                                         monkeypatch):
+    """The master runs in Ray's working directory, not the driver's: a relative ``train.output_dir``
+    (``runs/x``, as users write it) must still put the files the master writes under the driver's."""
+    from dpgs.train.engine import EpochEnd
+
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", *DENSE)
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    monkeypatch.chdir(tmp_path)
+    Path("relative").mkdir()
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        engine.run_epoch([[0, 1, 2, 3]], 1, [])
+        engine.save_epoch(EpochEnd(1, [], (Path("relative/last.pt"),)))
+        engine.wait_saved()
+        held = engine.state_dict()
+    written = torch.load(tmp_path / "relative" / "last.pt", weights_only=True)
+    assert all(torch.equal(written[k], v) for k, v in held.items())
+
+
 def test_a_failed_epoch_write_in_the_master_raises_its_oserror_and_keeps_the_previous_file(
         ray_cluster, bags, tmp_path):
     from dpgs.train.engine import EpochEnd
