@@ -53,12 +53,12 @@ class RecordingGroup(RankGroup):
         self._write()
         return reports
 
-    def ask_state(self):
+    def ask_state(self, weights: bool = True):
         """As the group's, after a pause that lets the counter sampler (every 50 ms, interpolated) take a
         sample between the epoch's last chunk and this traffic: the workers' residuals (46 MB each for the
         tile encoder) would otherwise be smeared into the chunk's window. Outside every measured step."""
         time.sleep(PAUSE_S)
-        super().ask_state()
+        super().ask_state(weights)
 
     def probe_links(self, sizes):
         start = time.time()
