@@ -18,6 +18,7 @@ from dpgs.distributed.frames import HEADER as FRAME_HEADER
 from dpgs.modeling import ModelSpec
 from dpgs.records import CHECKPOINT_FILE
 from dpgs.runner import run_training
+from dpgs.train.engine import EpochEnd
 from dpgs.train.local_engine import LocalEngine
 from tests.distributed.test_failures import closed_address
 from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
@@ -204,8 +205,6 @@ def test_the_master_writes_an_epochs_files_while_the_next_epoch_runs(ray_cluster
     """``save_epoch`` returns before the files are written; the master writes them before it runs the next
     chunk, so they hold the weights of the epoch's end (not the next epoch's) and the checkpoint resumes
     there."""
-    from dpgs.train.engine import EpochEnd
-
     out = tmp_path / "run"
     config = make_config(*bags, out, "train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=0.05")
     out.mkdir()
@@ -237,8 +236,6 @@ def test_epoch_files_named_relative_to_the_drivers_directory_land_there(ray_clus
                                                                          monkeypatch):
     """The master runs in Ray's working directory, not the driver's: a relative ``train.output_dir``
     (``runs/x``, as users write it) must still put the files the master writes under the driver's."""
-    from dpgs.train.engine import EpochEnd
-
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", *DENSE)
     data = experiment_data(config)
     spec, model = start(config, data)
@@ -255,8 +252,6 @@ def test_epoch_files_named_relative_to_the_drivers_directory_land_there(ray_clus
 
 def test_a_failed_epoch_write_in_the_master_raises_its_oserror_and_keeps_the_previous_file(
         ray_cluster, bags, tmp_path):
-    from dpgs.train.engine import EpochEnd
-
     out = tmp_path / "run"
     config = make_config(*bags, out, "train.mode=dpgs", "dpgs.workers=2", *DENSE)
     out.mkdir()
