@@ -34,11 +34,13 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from bandwidth_rows import STOP_GRACE_S
 from bandwidth_sites import Link, LoopbackSite
 from bandwidth_workloads import METHODS, prepare, workload
 
@@ -167,14 +169,36 @@ def run_rows(site, w, methods: list[str], workers: int, repeats: list[int], out:
     return failed
 
 
+def exit_on_termination() -> None:
+    """SIGTERM and SIGHUP end the benchmark as an exception does (SystemExit), so the lab goes down and the
+    running row's processes are stopped (Python's default would end the process where it stands, leaving
+    the lab up)."""
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, terminate)
+
+
 def run_loopback(args, w) -> int:
-    """The loopback rows, in a child process in a private network namespace (``--loopback-child``)."""
+    """The loopback rows, in a child process in a private network namespace (``--loopback-child``); an
+    interrupted benchmark stops the child (SIGTERM: it stops its row's processes first)."""
     spec = {"workload": w.key, "quick": w.quick, "epochs": args.epochs, "methods": args.methods,
             "workers": args.workers, "repeats": args.repeats, "out": str(args.out.resolve()),
             "target": args.target, "cache": str(args.cache.resolve()), "timeout": args.timeout}
     cmd = ["unshare", "--net", "--", sys.executable, str(Path(__file__).resolve()), "--loopback-child",
            json.dumps(spec)]
-    return subprocess.run(cmd, cwd=Path(__file__).parent).returncode
+    child = subprocess.Popen(cmd, cwd=Path(__file__).parent)
+    try:
+        return child.wait()
+    except BaseException:
+        child.terminate()
+        try:
+            child.wait(2 * STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        raise
 
 
 def loopback_child(spec: dict) -> int:
@@ -241,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", action="store_true", help="write the docs tables and PNGs from the rows")
     p.add_argument("--loopback-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    exit_on_termination()
     if args.loopback_child:
         return loopback_child(json.loads(args.loopback_child))
     if args.report:

@@ -42,6 +42,7 @@ EPOCH_KEYS = ("val_auc", "val_loss", "train_loss", "elapsed_seconds", "epoch_sec
               "auto_keep_ratio", "auto_compute_seconds", "auto_dense_exchange_seconds",
               "auto_exchange_seconds", "auto_dense_exchange_share")
 TEST_KEYS = ("test_auc", "test_auc_ci_low", "test_auc_ci_high", "test_acc", "best_epoch")
+STOP_GRACE_S = 60.0
 
 
 class RowFailed(RuntimeError):
@@ -64,14 +65,29 @@ class Output:
             self._file.flush()
 
     def wait(self, deadline: float) -> int | None:
-        """The exit code, or None when ``deadline`` (monotonic) passed first."""
-        while self.proc.poll() is None:
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.5)
+        """The exit code, or None when ``deadline`` (monotonic) passed first. Interrupted (SIGINT, or the
+        benchmark's SIGTERM: ``bandwidth.exit_on_termination``), it stops the process first."""
+        try:
+            while self.proc.poll() is None:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
         self._thread.join(timeout=30)
         self._file.close()
         return self.proc.returncode
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM (a dpgs driver then shuts its Ray down), SIGKILL after ``grace_s``."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
     def tail(self, n: int = 60) -> str:
         return "".join(self.lines[-n:])
@@ -226,7 +242,12 @@ def run_ddp_row(site, w: Workload, method: str, row_id: str, sampler: CounterSam
             log(f"[{row_id}] $ {' '.join(argv)}  (rank 1.. the same)")
         outs.append(Output(site.start_ddp_rank(r, argv), local / "logs" / f"{row_id}.rank{r}.log"))
     deadline = time.monotonic() + timeout_s
-    codes = [o.wait(deadline) for o in outs]
+    try:
+        codes = [o.wait(deadline) for o in outs]
+    except BaseException:
+        for o in outs:
+            o.stop()
+        raise
     if any(c is None for c in codes):
         _kill_site_processes(site, "bandwidth_ddp.py")
         for o in outs:

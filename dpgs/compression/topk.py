@@ -132,10 +132,17 @@ class TopKCompressor:
 
     def flush(self, flat: torch.Tensor) -> torch.Tensor:
         """Send everything: ``acc`` as a float32 vector; the residual (and, with masking, the momentum) is
-        emptied. Without anything kept (no residual yet, no momentum) that is ``flat`` itself."""
+        emptied. Without anything kept (no residual yet, no momentum) that is ``flat`` itself. Without
+        momentum correction nothing is kept after a flush either (the residual vector itself is sent, and
+        a later :meth:`compress` starts from a zero residual, as after :meth:`reset`): dense steps after
+        compressed ones copy nothing, and the checkpointed state stays small."""
         if self.residual is None and self.momentum_correction is None:
             return flat.detach().reshape(-1).to(torch.float32)
         self._accumulate(flat)
+        if self.momentum_correction is None:
+            sent, self.residual = self.residual, None
+            self.step += 1
+            return sent
         sent = self.residual.clone()
         self.residual.zero_()
         if self.momentum is not None and self.momentum_masking:

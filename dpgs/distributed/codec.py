@@ -101,8 +101,9 @@ class Uplink:
         )
 
     def encode(self, grad: torch.Tensor, keep_ratio: float) -> bytes | torch.Tensor:
-        """What a worker sends for ``grad`` (flat float32): raw float32 at ``keep_ratio >= 1``, else the
-        payload of the top ``keep_ratio`` of ``residual + grad``."""
+        """What a worker sends for ``grad`` (flat float32): raw float32 at ``keep_ratio >= 1`` (a vector this
+        codec keeps no hold of: ``grad`` itself or the emptied residual), else the payload of the top
+        ``keep_ratio`` of ``residual + grad``."""
         if keep_ratio >= 1.0:
             return self.compressor.flush(grad)
         payload = self.compressor.compress(grad, keep_ratio)

@@ -179,9 +179,21 @@ def test_flush_sends_residual_plus_gradient_and_empties_the_residual():
     second = torch.randn(1000)
     flushed = comp.flush(second)
     assert torch.equal(flushed, (first - sent) + second)
-    assert not comp.residual.any()
+    assert comp.residual is None and comp.state_dict()["residual"] is None  # nothing kept, nothing to save
+    third = torch.randn(1000)
+    assert comp.flush(third) is not None and torch.equal(comp.flush(third), third)  # no copy, no residual
+    fourth = torch.randn(1000)
+    fresh_start = TopKCompressor(value_dtype="fp16").compress(fourth, 0.01, version=7)
+    assert comp.compress(fourth, 0.01, version=7) == fresh_start  # as from a zero residual
     fresh = torch.randn(10)
     assert torch.equal(TopKCompressor().flush(fresh), fresh)  # nothing kept yet: the gradient itself
+
+
+def test_flush_with_momentum_correction_keeps_the_momentum_and_a_zero_residual():
+    comp = TopKCompressor(momentum_correction=0.9, momentum_masking=False)
+    comp.compress(torch.randn(1000), 0.01)
+    comp.flush(torch.randn(1000))
+    assert comp.residual is not None and not comp.residual.any() and comp.momentum.any()
 
 
 def test_state_dict_round_trip_continues_identically():

@@ -47,7 +47,9 @@ class Contribution:
 def contribution(
     step: int, n_bags: int, gradient: bytes | torch.Tensor, buffers: torch.Tensor | None
 ) -> Contribution:
-    """The message up of a worker: ``gradient`` (payload bytes or raw float32 tensor) and ``buffers``."""
+    """The message up of a worker: ``gradient`` (payload bytes or raw float32 tensor) and ``buffers``. A
+    tensor ``gradient`` is handed over: without buffers the message is a view of it (no copy), so the
+    caller must not change it afterwards (the uplink codec returns a vector it keeps no hold of)."""
     grad = (
         as_bytes(gradient)
         if isinstance(gradient, torch.Tensor)
@@ -56,7 +58,7 @@ def contribution(
         else torch.empty(0, dtype=torch.uint8)
     )
     parts = [grad] if buffers is None else [grad, as_bytes(buffers.to(torch.float64) * n_bags)]
-    return Contribution(step, n_bags, torch.cat(parts) if len(parts) > 1 else grad.clone(), grad.numel())
+    return Contribution(step, n_bags, torch.cat(parts) if len(parts) > 1 else grad, grad.numel())
 
 
 def split_up(bodies: list[torch.Tensor], replica: Replica) -> tuple[list[torch.Tensor], torch.Tensor | None]:

@@ -9,7 +9,8 @@ order, divides by the step's bag count B and takes the same optimizer step
 workers hold exactly the master's weights and optimizer state after every step, compressed or not.
 
 Without gradient clipping the payloads are relayed before the master decodes them (the workers decode
-meanwhile); with clipping the master first forms the mean gradient, whose norm sets the clip factor.
+meanwhile), and the dense sum is sent as soon as it is formed; with clipping the master first forms the
+mean gradient, whose norm sets the clip factor.
 """
 
 from __future__ import annotations
@@ -84,24 +85,34 @@ class RelaySync:
         waited = time.perf_counter()
         relay = step.keep_ratio < 1.0 and sum(g.numel() for g in grads) < 4 * replica.numel
         broken: list[ChannelBroken] = []
+        sending, down = 0.0, 0
 
         def send(kind: int, clip: float, parts: list[torch.Tensor]) -> int:
             """Send the frame; a failure is raised only once the master has taken the step too (the live
             workers take it whatever happens to another one)."""
+            nonlocal sending
+            begun = time.perf_counter()
             frame = encode_frame(kind, step.index + 1, clip, [*parts, buffers_part(merged)])
             try:
                 channel.send_down(frame)
             except ChannelBroken as err:
                 broken.append(err)
+            sending += time.perf_counter() - begun
             return frame.numel()
 
-        early = relay and self.grad_clip is None  # nothing to compute first: the workers decode meanwhile
-        down = send(KIND_GRADIENTS, 1.0, grads) if early else 0
-        sent = time.perf_counter()
+        # Without clipping the frame does not wait for the mean gradient and its norm: the payloads go
+        # before the master decodes them, the dense sum as soon as it is formed (the workers decode and step
+        # meanwhile); with clipping the mean gradient's norm sets the clip factor first.
+        clip_first = self.grad_clip is not None
+        if relay and not clip_first:
+            down = send(KIND_GRADIENTS, 1.0, grads)
         total = self.uplink.sum_into(torch.zeros(replica.numel), grads, step.counts(), step.keep_ratio)
+        if not relay and not clip_first:
+            down = send(KIND_SUM, 1.0, [as_part(total)])
         grad, norm, clip = mean_and_clip(total, step.n_bags, self.grad_clip)
         decoded = time.perf_counter()
-        if not early:
+        before_decoded = sending
+        if clip_first:
             down = send(KIND_GRADIENTS, clip, grads) if relay else send(KIND_SUM, clip, [as_part(total)])
         relayed = time.perf_counter()
         replica.step(grad, step.lr, clip)  # the workers take the same step meanwhile
@@ -115,9 +126,9 @@ class RelaySync:
             n_bags=step.n_bags,
             grad_norm=norm,
             wait_seconds=waited - start,
-            decode_seconds=decoded - sent,
+            decode_seconds=decoded - waited - before_decoded,
             optimizer_seconds=done - relayed,
-            encode_seconds=(sent - waited) + (relayed - decoded),
+            encode_seconds=sending,
             down_bytes=down,
             down_dense_bytes=4 * (replica.numel + replica.n_buffers),
             step_seconds=done - start,
