@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dpgs.errors import RunFailure
+from dpgs.interrupts import interrupts_deferred
 
 LOCK_NAME = ".dpgs.lock"
 TEMPORARY_PATTERNS = (".*.tmp-*", "checkpoint.pt.tmp")  # ours, and the DPGS master's checkpoint writer
@@ -54,14 +55,17 @@ def write_atomically(path: str | Path, write: Callable[[Path], Any]) -> Path:
     """Call ``write(tmp)`` to write a temporary sibling of ``path``, then rename it over ``path``.
 
     ``path`` is replaced only by a complete, flushed file. Any error removes the temporary file; an
-    ``OSError`` (full disk, permissions) is raised again naming ``path``.
+    ``OSError`` (full disk, permissions) is raised again naming ``path``. A SIGINT or SIGTERM during the
+    write is raised once the file is in place (``interrupts_deferred``): raised inside ``torch.save`` it
+    left torch's zip writer half done, and its ``RuntimeError`` replaced the interrupt (exit 1, not 143).
     """
     path = Path(path)
     tmp = temporary_path(path)
     try:
-        write(tmp)
-        _fsync(tmp)
-        os.replace(tmp, path)
+        with interrupts_deferred():
+            write(tmp)
+            _fsync(tmp)
+            os.replace(tmp, path)
     except OSError as err:
         reason = f"cannot write {path}: {err.strerror or err} (any previous {path.name} is unchanged)"
         raise (OSError(reason) if err.errno is None else OSError(err.errno, reason)) from err

@@ -371,6 +371,35 @@ print("survived")
     assert done.returncode == -signal.SIGTERM
 
 
+def test_a_signal_during_a_weights_write_is_raised_after_the_file_is_in_place(tmp_path):
+    """A SIGTERM that arrived inside ``torch.save`` (CI, the packed SIGTERM test) cut torch's zip writer,
+    whose RuntimeError then replaced the interrupt: the run exited 1 and the file was not written. Now the
+    interrupt waits for the write, and the file is complete."""
+    script = f"""
+import os, signal, torch
+from dpgs.interrupts import Interrupted, signals_interrupt
+from dpgs.outputs import save_torch_atomically
+
+PATH = {str(tmp_path / "w.pt")!r}
+
+
+class SignalWhilePickled:
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # in the middle of torch.save
+        return (int, (7,))
+
+with signals_interrupt():
+    try:
+        save_torch_atomically({{"w": torch.arange(1000.0), "x": SignalWhilePickled()}}, PATH)
+    except Interrupted as err:
+        print(err, flush=True)
+print(torch.load(PATH, weights_only=False)["w"].sum().item())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "interrupted by SIGTERM\n499500.0\n", done.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.pt"]  # no temporary file left
+
+
 def test_signals_raise_interrupted_once_then_end_the_process_and_ignored_ones_stay_ignored():
     script = """
 import os, signal, time
