@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from bandwidth_rows import STOP_GRACE_S
+from bandwidth_rows import STOP_GRACE_S, stop_process
 from bandwidth_sites import Link, LoopbackSite
 from bandwidth_workloads import METHODS, prepare, workload
 
@@ -193,11 +193,7 @@ def run_loopback(args, w) -> int:
     try:
         return child.wait()
     except BaseException:
-        child.terminate()
-        try:
-            child.wait(2 * STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        stop_process(child, 2 * STOP_GRACE_S)
         raise
 
 

@@ -49,6 +49,18 @@ class RowFailed(RuntimeError):
     """A row's processes failed; the message ends with their output."""
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM (a dpgs driver then shuts its Ray down; the loopback child stops its row), SIGKILL after
+    ``grace_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Output:
     """Reads a process's output lines in a thread into a log file and a list."""
 
@@ -80,14 +92,7 @@ class Output:
         return self.proc.returncode
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM (a dpgs driver then shuts its Ray down), SIGKILL after ``grace_s``."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s)
 
     def tail(self, n: int = 60) -> str:
         return "".join(self.lines[-n:])
