@@ -6,10 +6,11 @@
   step (the slowest worker's forward/backward, median over the steps measured) and what the run's steps
   cost at the ratios already run (:class:`StepCosts`). The exchange of a step at keep ratio ``k`` is what
   the last epoch's steps at ``k`` spent beyond their compute when it ran them; otherwise the link time of
-  the bytes it moves per worker (:class:`ByteModel`) plus the codec time measured nearest ``k``; auto picks
-  dense when the dense exchange costs at most ``auto_share`` of the compute, otherwise the largest of
-  ``auto_ratios`` whose exchange stays within that share. When none does, the largest ratio whose exchange
-  is within 10 % of the fastest one: on a link whose latency dominates, compressing saves nothing.
+  the bytes it moves per worker (:class:`ByteModel`) plus the codec time measured nearest ``k``, scaled to
+  the entries ``k`` sends (:meth:`StepCosts.codec_at`); auto picks dense when the dense exchange costs
+  at most ``auto_share`` of the compute, otherwise the largest of ``auto_ratios`` whose exchange stays
+  within that share. When none does, the largest ratio whose exchange is within 10 % of the fastest one:
+  on a link whose latency dominates, compressing saves nothing.
   The codec time matters on fast links: top-k selection, zstd and the sparse decode cost more than they
   save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head). The links are
   probed only where a probe could change the choice (:meth:`KeepSchedule.dense_is_settled`).
@@ -22,6 +23,7 @@ downlink codecs take it as an argument.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 
@@ -33,6 +35,8 @@ from dpgs.distributed.messages import MasterStep, WorkerStep
 
 HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
 INDEX_BYTES = 1.0  # bytes per sent entry for its index after zstd (gaps of top-k at <= 10 %; measured ~0.7)
+CODEC_GROWTH = 40.0  # codec seconds at keep k ~ 1 + 40 k: ResNet-18's gradient (benchmarks/compression.py),
+# a worker's encode plus 2P decodes at P = 2: 77 ms at 0.1 %, 100 ms at 1 %, 343 ms at 10 % (docs/dpgs.md)
 
 
 @dataclass(frozen=True)
@@ -112,9 +116,11 @@ class StepCosts:
     * ``exchange[k]``: the master's wall time of a step minus the slowest worker's compute: everything a
       step spends beyond computing (link, codec, waiting), as it happened.
 
-    A ratio not run yet takes the codec cost of the nearest ratio below it that has run (top-k selection
-    over every gradient value costs the same at any ratio; only the entries to decode grow with it), and 0
-    when none has: auto tries it, measures it and decides again at the next epoch with what it cost.
+    A ratio not run yet is estimated from the compressed ratio run nearest to it (:meth:`codec_at`): part
+    of the codec (sampling and selecting over every gradient value, the message's dense part, the calls)
+    costs the same at any ratio, the rest grows with the entries sent, encoded, relayed and decoded, so
+    the cost at ``k`` is taken as proportional to ``1 + CODEC_GROWTH * k``. Auto tries the ratio it
+    chose, measures it and decides again at the next epoch with what it cost.
     """
 
     def __init__(self) -> None:
@@ -143,8 +149,20 @@ class StepCosts:
                 self.exchange[keep] = statistics.median(exchanges)
 
     def codec_at(self, keep: float) -> float:
+        """The codec seconds of a step at ``keep``: measured, or scaled from the nearest compressed ratio
+        measured (``codec(n) * (1 + G k) / (1 + G n)``, G = ``CODEC_GROWTH``); 0 when nothing comparable
+        has run (dense, or no compressed step yet)."""
         if keep in self.codec:
             return self.codec[keep]
+        run = [k for k in self.codec if k < 1.0]
+        if keep >= 1.0 or not run:
+            return 0.0
+        nearest = min(run, key=lambda k: abs(math.log(k / keep)))
+        return self.codec[nearest] * (1.0 + CODEC_GROWTH * keep) / (1.0 + CODEC_GROWTH * nearest)
+
+    def codec_floor(self, keep: float) -> float:
+        """A lower bound of the codec seconds at ``keep`` (the codec costs no less at a larger ratio): the
+        cost of the largest ratio measured at or below it of the same kind, compressed or dense, else 0."""
         below = [k for k in self.codec if k <= keep and (k < 1.0) == (keep < 1.0)]
         return self.codec[max(below)] if below else 0.0
 
@@ -174,14 +192,15 @@ class KeepSchedule:
     def dense_is_settled(self, compute_seconds: float) -> bool:
         """Whether no probe of the links could change a dense choice: the run is dense, its dense steps were
         measured, and either they fit the budget or every compressed ratio's codec time alone (a lower
-        bound of its exchange) fits neither the budget nor within 10 % of dense's measured exchange."""
+        bound of its exchange, :meth:`StepCosts.codec_floor`) fits neither the budget nor within 10 % of
+        dense's measured exchange."""
         dense = self.costs.exchange.get(1.0)
         if not self.auto or self.steady < 1.0 or dense is None:
             return False
         budget = self.cfg.auto_share * compute_seconds
         if dense <= budget:
             return True
-        lower = [self.costs.codec_at(k) for k in self.cfg.auto_ratios if k < 1.0]
+        lower = [self.costs.codec_floor(k) for k in self.cfg.auto_ratios if k < 1.0]
         return all(b > budget and 1.1 * b >= dense for b in lower)
 
     def keep_dense(self, compute_seconds: float) -> KeepDecision:

@@ -9,7 +9,14 @@ from dpgs.compression import ParamLayout
 from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.messages import MasterStep, WorkerStep
-from dpgs.distributed.schedule import HEADER_BYTES, ByteModel, KeepSchedule, StepCosts, step_compute_seconds
+from dpgs.distributed.schedule import (
+    CODEC_GROWTH,
+    HEADER_BYTES,
+    ByteModel,
+    KeepSchedule,
+    StepCosts,
+    step_compute_seconds,
+)
 
 RESNET18 = 11_689_512  # about the trainable parameters of ResNet-18 + ABMIL
 
@@ -113,8 +120,13 @@ def test_step_costs_per_keep_ratio_from_the_steps():
     # codec per step: slowest worker's encode + apply, plus the master's decode + encode
     assert costs.codec_at(0.01) == pytest.approx((0.045 + 0.085) / 2)  # median of two steps
     assert costs.codec_at(1.0) == pytest.approx(0.004)
-    assert costs.codec_at(0.3) == costs.codec_at(0.01)  # the nearest compressed ratio run below it
-    assert costs.codec_at(0.001) == 0.0  # nothing run at or below it: 0 until it has run
+    # a ratio not run: the nearest compressed ratio run, scaled by the entries it sends (1 + G k)
+    g = CODEC_GROWTH
+    assert costs.codec_at(0.3) == pytest.approx(0.065 * (1 + 0.3 * g) / (1 + 0.01 * g))
+    assert costs.codec_at(0.001) == pytest.approx(0.065 * (1 + 0.001 * g) / (1 + 0.01 * g))
+    assert costs.codec_at(0.3) > 5 * costs.codec_at(0.01) > 5 * costs.codec_at(0.001)
+    # the lower bound that decides whether to probe: the largest ratio run at or below, else nothing
+    assert costs.codec_floor(0.3) == costs.codec_at(0.01) and costs.codec_floor(0.001) == 0.0
     # exchange: the master's step wall time minus the slowest worker's compute
     assert costs.exchange[0.01] == pytest.approx((0.2 + 0.2) / 2)
     assert costs.exchange[1.0] == pytest.approx(0.02)
@@ -138,6 +150,24 @@ def test_auto_chooses_dense_on_loopback_where_the_codec_costs_more_than_the_link
     assert decision.exchange_seconds == decision.dense_exchange_seconds
     # on a slow link the same codec cost is small beside the link: compress
     assert schedule.decide(link(100.0), 3.0, model()).ratio == 0.01
+
+
+def test_a_larger_ratio_not_run_yet_is_charged_for_the_entries_it_sends():
+    """The lab's 1 Gbit/s links with the ResNet-18 tile model (2026-11-26, ``--quick``): compute 3.1 s, the
+    codec measured at keep 0.1 % only (0.1 s a step). Charged the 0.1 % codec, keep 10 % looked like
+    0.19 s and was chosen; it then ran 1.14x its compute (the 10 % codec: 0.35 s). Scaled to its entries
+    it is 0.57 s, over the 0.31 s budget, and keep 1 % (0.14 s) is chosen."""
+    schedule = KeepSchedule(CompressionConfig(keep_ratio="auto"))
+    schedule.costs.codec[0.001] = 0.1
+    gbit = link(1000.0)
+    decision = schedule.decide(gbit, 3.1, model())
+    assert decision.ratio == 0.01
+    codec_ten = 0.1 * (1 + 0.1 * CODEC_GROWTH) / (1 + 0.001 * CODEC_GROWTH)
+    ten = gbit.exchange_seconds(*model().per_worker(0.1)) + codec_ten
+    assert ten > 0.31 >= decision.exchange_seconds
+    # once keep 10 % has run cheaply (a faster codec than the prior assumed), its measured cost decides
+    schedule.costs.codec[0.1] = 0.12
+    assert schedule.decide(gbit, 3.1, model()).ratio == 0.1
 
 
 def test_what_the_steps_cost_overrides_a_noisy_probe():
