@@ -33,6 +33,7 @@ from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.messages import MasterStep, WorkerStep
 
+MEASURING_STEPS = 2  # steps at the cheapest ratio before auto's first decision; the last one is measured
 HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
 INDEX_BYTES = 1.0  # bytes per sent entry for its index after zstd (gaps of top-k at <= 10 %; measured ~0.7)
 CODEC_GROWTH = 40.0  # codec seconds at keep k ~ 1 + 40 k: ResNet-18's gradient (benchmarks/compression.py),
