@@ -4,8 +4,10 @@ A DPGS row is ``dpgs train`` (``benchmarks/bandwidth_driver.py``: the command wi
 on the site's driver host; a DDP row is one ``benchmarks/bandwidth_ddp.py`` rank per worker. From the
 run's own records and the site's interface counters (:class:`~bandwidth_sites.CounterSampler`):
 
-* ``step_s``: median over the run's steps after the first (DDP + PowerSGD: after its plain all-reduce
-  steps) of a step's wall time (DPGS: the master's ``step_seconds``; DDP: from the previous step's end);
+* ``step_s``: median over the run's steps after the first (DPGS: those at the run's last keep ratio,
+  so not ``dpgs-auto``'s steps at the cheapest ratio before its first decision; DDP + PowerSGD: after its
+  plain all-reduce steps) of a step's wall time (DPGS: the master's ``step_seconds``; DDP: from the
+  previous step's end);
 * ``compute_s``: median over the same steps of the slowest worker's forward + backward (DPGS reports it;
   DDP's backward overlaps its all-reduce, so a DDP row takes the median of the DPGS rows' compute on the
   same link, the same bags and model: ``compute_source``);
@@ -168,7 +170,7 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
     for c in chunks:
         for r in c["workers"]:
             compute[r["index"]] = max(compute.get(r["index"], 0.0), r["compute_seconds"])
-    measured = [m["index"] for m in master if m["index"] >= 1]
+    measured = measured_steps(chunks)
     epochs = sorted({c["epoch"] for c in chunks})
     bytes_check = []
     for epoch in epochs:
@@ -189,7 +191,7 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
     row = {
         "method": method, "run_status": status, "started": started, "load1_before": load_before,
         "load1_after": _load(), "wall_s": time.time() - started,
-        "step_s": _median([m["step_seconds"] for m in master if m["index"] >= 1]),
+        "step_s": _median([m["step_seconds"] for m in master if m["index"] in measured]),
         "compute_s": _median([compute[i] for i in measured if i in compute]),
         "steps_measured": len(measured),
         "step_seconds_all": [m["step_seconds"] for m in master],
@@ -210,6 +212,14 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
                                                        "auto_exchange_seconds", "auto_dense_exchange_share")
                                if k in metrics} | links
     return row
+
+
+def measured_steps(chunks: list[dict]) -> list[int]:
+    """The steps a DPGS row measures: after the first, at the run's last keep ratio (``dpgs-auto``'s
+    first steps run at the cheapest ratio to measure it, before its first decision)."""
+    keep_of = {i: k for c in chunks for i, k in zip(c["steps"], c["keep_ratios"], strict=True)}
+    final = keep_of[max(keep_of)]
+    return sorted(i for i, k in keep_of.items() if i >= 1 and k == final)
 
 
 def idle_per_step(idle_bps: float | None, seconds: float, steps: int) -> float | None:
