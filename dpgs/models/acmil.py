@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpgs.models.base import MILHead, cross_entropy
-from dpgs.models.layers import AttentionScorer
+from dpgs.models.layers import AttentionScorer, Dropout
 
 
 class ACMIL(MILHead):
@@ -44,7 +44,7 @@ class ACMIL(MILHead):
             int(n_masked_patch),
             float(mask_drop),
         )
-        self.embed = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(dropout))
+        self.embed = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), Dropout(dropout))
         self.attention = AttentionScorer(hidden, attn_dim, n_token, gated=True)
         self.branch_classifiers = nn.ModuleList(nn.Linear(hidden, num_classes) for _ in range(n_token))
         self.classifier = nn.Linear(hidden, num_classes)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpgs.models.layers import Dropout
+
 
 def iterative_pinv(a: torch.Tensor, iterations: int) -> torch.Tensor:
     """Moore-Penrose pseudo-inverse of every [m, m] matrix in ``a`` by the iteration of
@@ -50,7 +52,7 @@ class NystromAttention(nn.Module):
         self.heads, self.landmarks, self.pinv_iterations = heads, int(landmarks), int(pinv_iterations)
         self.head_dim = dim // heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.out = nn.Sequential(nn.Linear(dim, dim), nn.Dropout(dropout))
+        self.out = nn.Sequential(nn.Linear(dim, dim), Dropout(dropout))
         self.res_conv = nn.Conv2d(
             heads, heads, (residual_kernel, 1), padding=(residual_kernel // 2, 0), groups=heads, bias=False
         )
@@ -105,8 +107,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"MultiHeadAttention: dim {dim} is not divisible by heads {heads}")
         self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
-        self.attn_drop = nn.Dropout(dropout)
-        self.out = nn.Sequential(nn.Linear(dim, dim), nn.Dropout(dropout))
+        self.attn_drop = Dropout(dropout)
+        self.out = nn.Sequential(nn.Linear(dim, dim), Dropout(dropout))
         self.pe = (
             nn.Conv2d(heads, heads, (epeg_k, 1), padding=(epeg_k // 2, 0), groups=heads)
             if epeg_k > 0

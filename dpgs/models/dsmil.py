@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dpgs.models.base import MILHead, cross_entropy
-from dpgs.models.layers import masked_softmax
+from dpgs.models.layers import Dropout, masked_softmax
 from dpgs.models.segment import segment_argmax, segment_ids, segment_max, segment_softmax, segment_sum
 
 
@@ -38,7 +38,7 @@ class DSMIL(MILHead):
         super().__init__(in_dim, num_classes)
         self.instance = nn.Linear(in_dim, num_classes)
         self.q = nn.Sequential(nn.Linear(in_dim, q_dim), nn.ReLU(), nn.Linear(q_dim, q_dim), nn.Tanh())
-        v = [nn.Dropout(dropout)] + ([nn.Linear(in_dim, in_dim), nn.ReLU()] if passing_v else [])
+        v = [Dropout(dropout)] + ([nn.Linear(in_dim, in_dim), nn.ReLU()] if passing_v else [])
         self.v = nn.Sequential(*v)
         self.fcc = nn.Conv1d(num_classes, num_classes, kernel_size=in_dim)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dpgs.models.base import MILHead, cross_entropy
-from dpgs.models.layers import AttentionScorer
+from dpgs.models.layers import AttentionScorer, Dropout
 
 
 def pseudo_bag_ids(n: int, groups: int, order: torch.Tensor) -> torch.Tensor:
@@ -49,9 +49,9 @@ class DTFD(MILHead):
         self.num_groups = int(num_groups)
         self.reduce = nn.Sequential(nn.Linear(in_dim, hidden, bias=False), nn.ReLU())
         self.attention = AttentionScorer(hidden, attn_dim, 1, gated=True)
-        self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+        self.classifier = nn.Sequential(Dropout(dropout), nn.Linear(hidden, num_classes))
         self.attention2 = AttentionScorer(hidden, attn_dim, 1, gated=True)
-        self.classifier2 = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+        self.classifier2 = nn.Sequential(Dropout(dropout), nn.Linear(hidden, num_classes))
 
     def _bags(self, x, mask, y):
         b, n, _ = x.shape
