@@ -212,10 +212,10 @@ class DpgsEngine:
     def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
                            reports: ChunkReports) -> tuple[list[StepPlan], dict]:
         """Without a compute measurement yet, run the first ``MEASURING_STEPS`` steps at the cheapest ratio
-        and measure the last of them (the first step's codec and compute hold one-off costs: buffers and
-        residuals allocated, the first forward's warm-up; measured on the lab's tile model: 0.45 s of codec
-        against 0.03-0.2 s in the steps after it); probe the links unless no probe could change a dense
-        choice; decide the epoch's ratio. Returns the steps left and the figures."""
+        and measure the last of them: its compute, codec and what it spent beyond its compute (the first
+        step holds one-off costs: buffers and residuals allocated, the first forward's warm-up); probe the
+        links unless no probe could change a dense choice; decide the epoch's ratio. Returns the steps
+        left and the figures."""
         if self.compute_seconds is None:
             measuring = [replace(p, keep_ratio=self.keep.measuring_ratio) for p in todo[:MEASURING_STEPS]]
             for chunk in self._chunks(measuring):
@@ -223,7 +223,7 @@ class DpgsEngine:
             last = measuring[-1].index
             self.compute_seconds = step_compute_seconds([r for r in reports.workers if r.index == last])
             self.keep.costs.observe({last: measuring[-1].keep_ratio}, reports.workers, reports.master,
-                                    exchange=False)
+                                    exchange=len(measuring) > 1)
             todo = todo[len(measuring):]
         if self.keep.dense_is_settled(self.compute_seconds):
             decision, link_figures = self.keep.keep_dense(self.compute_seconds), {}

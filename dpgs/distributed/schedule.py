@@ -6,11 +6,12 @@
   step (the slowest worker's forward/backward, median over the steps measured) and what the run's steps
   cost at the ratios already run (:class:`StepCosts`). The exchange of a step at keep ratio ``k`` is what
   the last epoch's steps at ``k`` spent beyond their compute when it ran them; otherwise the link time of
-  the bytes it moves per worker (:class:`ByteModel`) plus the codec time measured nearest ``k``, scaled to
-  the entries ``k`` sends (:meth:`StepCosts.codec_at`); auto picks dense when the dense exchange costs
-  at most ``auto_share`` of the compute, otherwise the largest of ``auto_ratios`` whose exchange stays
-  within that share. When none does, the largest ratio whose exchange is within 10 % of the fastest one:
-  on a link whose latency dominates, compressing saves nothing.
+  the bytes it moves per worker (:class:`ByteModel`) plus what the steps of the ratio run nearest ``k``
+  spent beyond compute and link, scaled to the entries ``k`` sends (:meth:`StepCosts.overhead_at`);
+  auto picks dense when the dense exchange costs at most ``auto_share`` of the compute, otherwise the
+  largest of ``auto_ratios`` whose exchange stays within that share. When none does, the largest ratio
+  whose exchange is within 10 % of the fastest one: on a link whose latency dominates, compressing saves
+  nothing.
   The codec time matters on fast links: top-k selection, zstd and the sparse decode cost more than they
   save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head). The links are
   probed only where a probe could change the choice (:meth:`KeepSchedule.dense_is_settled`).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dpgs.compression import KeepRatioSchedule, ParamLayout
@@ -117,11 +119,12 @@ class StepCosts:
     * ``exchange[k]``: the master's wall time of a step minus the slowest worker's compute: everything a
       step spends beyond computing (link, codec, waiting), as it happened.
 
-    A ratio not run yet is estimated from the compressed ratio run nearest to it (:meth:`codec_at`): part
-    of the codec (sampling and selecting over every gradient value, the message's dense part, the calls)
-    costs the same at any ratio, the rest grows with the entries sent, encoded, relayed and decoded, so
-    the cost at ``k`` is taken as proportional to ``1 + CODEC_GROWTH * k``. Auto tries the ratio it
-    chose, measures it and decides again at the next epoch with what it cost.
+    A ratio not run yet is estimated from the compressed ratio run nearest to it (:meth:`overhead_at`):
+    part of the codec (sampling and selecting over every gradient value, the message's dense part, the
+    calls) costs the same at any ratio, the rest grows with the entries sent, encoded, relayed and
+    decoded, so what a step spends beyond its compute and link is taken as proportional to
+    ``1 + CODEC_GROWTH * k``. Auto tries the ratio it chose, measures it and decides again at the next
+    epoch with what it cost.
     """
 
     def __init__(self) -> None:
@@ -149,17 +152,18 @@ class StepCosts:
             if exchange:
                 self.exchange[keep] = statistics.median(exchanges)
 
-    def codec_at(self, keep: float) -> float:
-        """The codec seconds of a step at ``keep``: measured, or scaled from the nearest compressed ratio
-        measured (``codec(n) * (1 + G k) / (1 + G n)``, G = ``CODEC_GROWTH``); 0 when nothing comparable
-        has run (dense, or no compressed step yet)."""
-        if keep in self.codec:
-            return self.codec[keep]
-        run = [k for k in self.codec if k < 1.0]
+    def overhead_at(self, keep: float, link_seconds: Callable[[float], float]) -> float:
+        """Seconds a step at the compressed ratio ``keep`` spends beyond its compute and its link time
+        (codec, waits), from the compressed ratio run nearest to it (in log scale), ``n``: what n's steps
+        spent beyond their compute less ``link_seconds(n)``, or n's codec time where only that was
+        measured, scaled to the entries ``keep`` sends: ``* (1 + G keep) / (1 + G n)`` (G =
+        ``CODEC_GROWTH``). 0 for dense, and while no compressed step has run."""
+        run = [k for k in self.codec.keys() | self.exchange.keys() if k < 1.0]
         if keep >= 1.0 or not run:
             return 0.0
-        nearest = min(run, key=lambda k: abs(math.log(k / keep)))
-        return self.codec[nearest] * (1.0 + CODEC_GROWTH * keep) / (1.0 + CODEC_GROWTH * nearest)
+        n = min(run, key=lambda k: abs(math.log(k / keep)))
+        base = max(self.exchange[n] - link_seconds(n), 0.0) if n in self.exchange else self.codec[n]
+        return base * (1.0 + CODEC_GROWTH * keep) / (1.0 + CODEC_GROWTH * n)
 
     def codec_floor(self, keep: float) -> float:
         """A lower bound of the codec seconds at ``keep`` (the codec costs no less at a larger ratio): the
@@ -214,10 +218,13 @@ class KeepSchedule:
         docstring). A ratio whose steps were measured after the first one is judged by what they cost."""
         budget = self.cfg.auto_share * compute_seconds
 
+        def link_seconds(keep: float) -> float:
+            return link.exchange_seconds(*bytes_model.per_worker(keep))
+
         def exchange(keep: float) -> float:
             if keep in self.costs.exchange:
                 return self.costs.exchange[keep]
-            return link.exchange_seconds(*bytes_model.per_worker(keep)) + self.costs.codec_at(keep)
+            return link_seconds(keep) + self.costs.overhead_at(keep, link_seconds)
 
         candidates = sorted(set(self.cfg.auto_ratios) | {1.0}, reverse=True)
         seconds = {k: exchange(k) for k in candidates}
