@@ -15,7 +15,9 @@ run's own records and the site's interface counters (:class:`~bandwidth_sites.Co
   steps (DPGS: its chunks; DDP: its measured steps), over the number of steps, and beside it for DPGS
   ``dpgs_bytes_per_step``, MLflow's ``comm_bytes_per_step`` of the same epoch (the same steps), and
   ``idle_wire_bytes_per_step``: the site's idle wire traffic (bytes/s of the cluster with no job, measured
-  before the link's rows; None on loopback) times the same windows' seconds, over their steps;
+  before the link's rows; None on loopback) times the same windows' seconds, over their steps; and
+  ``chunk_edge_gap_s``, the longest span between the counter samples around a chunk's start or end
+  (traffic that near an edge may be counted on the wrong side of it);
 * per epoch ``val_auc`` and ``elapsed_seconds`` (for the time to target), and the test AUC with its
   bootstrap interval; for ``dpgs-auto`` the keep ratio it chose and the figures behind it.
 """
@@ -199,6 +201,7 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
         "idle_wire_bytes_per_step": last["idle_wire_bytes_per_step"],
         "dpgs_bytes_per_step": last["dpgs_bytes_per_step"],
         "bytes_per_epoch": bytes_check,
+        "chunk_edge_gap_s": max(sampler.gap_at(t) for c in chunks for t in (c["start"], c["end"])),
         "history": history,
         "test": {k: metrics[k][min(metrics[k])] for k in TEST_KEYS if k in metrics},
         "worker_ips": worker_ips("".join(out.lines)),

@@ -96,6 +96,14 @@ class CounterSampler:
         f = (t - t0) / (t1 - t0)
         return {k: (a[k][0] + f * (b[k][0] - a[k][0]), a[k][1] + f * (b[k][1] - a[k][1])) for k in a}
 
+    def gap_at(self, t: float) -> float:
+        """Seconds between the samples around wall-clock ``t``: traffic within that span of ``t`` may be
+        counted on the wrong side of it (0 where a sample falls on ``t``)."""
+        i = bisect.bisect_left(self.times, t)
+        if i == 0 or i == len(self.times) or self.times[i] == t:
+            return 0.0
+        return self.times[i] - self.times[i - 1]
+
     def wait_past(self, t: float) -> None:
         """Return once a sample later than wall-clock ``t`` was taken (so that :meth:`at` can read ``t``)."""
         while not self.times or self.times[-1] < t:

@@ -37,6 +37,14 @@ def test_waiting_on_a_stopped_sampler_fails_instead_of_hanging():
         sampler.wait_past(time.time() + 60)
 
 
+def test_the_gap_at_a_time_is_the_span_of_the_samples_around_it():
+    sampler = CounterSampler({"lo": (_pid(), "lo")})
+    sampler.times = [10.0, 10.05, 10.6, 10.65]  # a sample 0.5 s late, as on a loaded machine
+    assert sampler.gap_at(10.3) == pytest.approx(0.55)
+    assert sampler.gap_at(10.02) == pytest.approx(0.05)
+    assert sampler.gap_at(10.05) == 0.0 and sampler.gap_at(9.0) == 0.0 and sampler.gap_at(11.0) == 0.0
+
+
 def _pid() -> int:
     return os.getpid()
 
