@@ -7,11 +7,11 @@
   cost at the ratios already run (:class:`StepCosts`). The exchange of a step at keep ratio ``k`` is what
   the last epoch's steps at ``k`` spent beyond their compute when it ran them; otherwise the link time of
   the bytes it moves per worker (:class:`ByteModel`) plus what the steps of the ratio run nearest ``k``
-  spent beyond compute and link, scaled to the entries ``k`` sends (:meth:`StepCosts.overhead_at`);
-  auto picks dense when the dense exchange costs at most ``auto_share`` of the compute, otherwise the
-  largest of ``auto_ratios`` whose exchange stays within that share. When none does, the largest ratio
-  whose exchange is within 10 % of the fastest one: on a link whose latency dominates, compressing saves
-  nothing.
+  spent beyond compute and link, moved by the growth of the codec to the entries ``k`` sends
+  (:meth:`StepCosts.overhead_at`); auto picks dense when the dense exchange costs at most
+  ``auto_share`` of the compute, otherwise the largest of ``auto_ratios`` whose exchange stays within
+  that share. When none does, the largest ratio whose exchange is within 10 % of the fastest one: on a
+  link whose latency dominates, compressing saves nothing.
   The codec time matters on fast links: top-k selection, zstd and the sparse decode cost more than they
   save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head). The links are
   probed only where a probe could change the choice (:meth:`KeepSchedule.dense_is_settled`).
@@ -122,9 +122,9 @@ class StepCosts:
     A ratio not run yet is estimated from the compressed ratio run nearest to it (:meth:`overhead_at`):
     part of the codec (sampling and selecting over every gradient value, the message's dense part, the
     calls) costs the same at any ratio, the rest grows with the entries sent, encoded, relayed and
-    decoded, so what a step spends beyond its compute and link is taken as proportional to
-    ``1 + CODEC_GROWTH * k``. Auto tries the ratio it chose, measures it and decides again at the next
-    epoch with what it cost.
+    decoded: the codec at ``k`` costs ``1 + CODEC_GROWTH * k`` times its cost at k -> 0. The overhead
+    measured at the nearest ratio is moved by that growth of its codec. Auto tries the ratio it chose,
+    measures it and decides again at the next epoch with what it cost.
     """
 
     def __init__(self) -> None:
@@ -155,15 +155,17 @@ class StepCosts:
     def overhead_at(self, keep: float, link_seconds: Callable[[float], float]) -> float:
         """Seconds a step at the compressed ratio ``keep`` spends beyond its compute and its link time
         (codec, waits), from the compressed ratio run nearest to it (in log scale), ``n``: what n's steps
-        spent beyond their compute less ``link_seconds(n)``, or n's codec time where only that was
-        measured, scaled to the entries ``keep`` sends: ``* (1 + G keep) / (1 + G n)`` (G =
-        ``CODEC_GROWTH``). 0 for dense, and while no compressed step has run."""
+        spent beyond their compute less ``link_seconds(n)`` (n's codec time where only that was
+        measured), plus the growth of the codec from n to ``keep``: ``codec(n) * G (keep - n) / (1 + G n)``
+        (G = ``CODEC_GROWTH``: the codec costs ``1 + G k`` times its cost at k -> 0). 0 for dense, and while
+        no compressed step has run."""
         run = [k for k in self.codec.keys() | self.exchange.keys() if k < 1.0]
         if keep >= 1.0 or not run:
             return 0.0
         n = min(run, key=lambda k: abs(math.log(k / keep)))
         base = max(self.exchange[n] - link_seconds(n), 0.0) if n in self.exchange else self.codec[n]
-        return base * (1.0 + CODEC_GROWTH * keep) / (1.0 + CODEC_GROWTH * n)
+        growth = self.codec.get(n, base) * CODEC_GROWTH * (keep - n) / (1.0 + CODEC_GROWTH * n)
+        return max(base + growth, 0.0)
 
     def codec_floor(self, keep: float) -> float:
         """A lower bound of the codec seconds at ``keep`` (the codec costs no less at a larger ratio): the

@@ -124,17 +124,18 @@ def test_step_costs_per_keep_ratio_from_the_steps():
     assert costs.exchange[0.01] == pytest.approx((0.2 + 0.2) / 2)
     assert costs.exchange[1.0] == pytest.approx(0.02)
     # a compressed ratio not run: what the nearest compressed ratio run spent beyond its compute, less
-    # its link time, scaled by the entries it sends (1 + G k)
+    # its link time, plus its codec's growth to the entries sent (codec(n) G (k - n) / (1 + G n))
     g, link_s = CODEC_GROWTH, {0.3: 0.5, 0.01: 0.05, 0.001: 0.02}.__getitem__
-    assert costs.overhead_at(0.3, link_s) == pytest.approx(0.15 * (1 + 0.3 * g) / (1 + 0.01 * g))
-    assert costs.overhead_at(0.001, link_s) == pytest.approx(0.15 * (1 + 0.001 * g) / (1 + 0.01 * g))
+    codec = 0.065
+    assert costs.overhead_at(0.3, link_s) == pytest.approx(0.15 + codec * g * 0.29 / (1 + 0.01 * g))
+    assert costs.overhead_at(0.001, link_s) == pytest.approx(0.15 - codec * g * 0.009 / (1 + 0.01 * g))
     assert costs.overhead_at(1.0, link_s) == 0.0  # dense: its link time is its exchange
     # the lower bound that decides whether to probe: the largest ratio run at or below, else nothing
     assert costs.codec_floor(0.3) == costs.codec[0.01] and costs.codec_floor(0.001) == 0.0
     first = StepCosts()
     first.observe({0: 0.001}, workers[:2], master[:1], exchange=False)  # a step timed without its wall time
     assert first.exchange == {} and first.codec[0.001] == pytest.approx(0.045)
-    # only the codec measured: it stands for the overhead
+    # only the codec measured: it stands for the overhead, and grows as the codec does
     assert first.overhead_at(0.01, link_s) == pytest.approx(0.045 * (1 + 0.01 * g) / (1 + 0.001 * g))
     assert StepCosts().overhead_at(0.01, link_s) == 0.0  # nothing compressed has run
 
@@ -156,29 +157,30 @@ def test_auto_chooses_dense_on_loopback_where_the_codec_costs_more_than_the_link
     assert schedule.decide(link(100.0), 3.0, model()).ratio == 0.01
 
 
-def test_a_ratio_not_run_yet_is_charged_the_overhead_scaled_to_the_entries_it_sends():
-    """The lab's 1 Gbit/s links with the ResNet-18 tile model (2026-11-26): compute 3.1 s (budget 0.31 s),
-    keep 0.1 % measured, 0.15 s beyond its compute. Charged that unscaled, keep 10 % looked like 0.24 s and
-    was chosen (it then ran 1.14x its compute); scaled to its entries it is over the budget, and keep 1 %
-    is chosen. The codec times summed (0.35 s, overlapping) would have put even 0.1 % over the budget."""
+def test_a_ratio_not_run_yet_is_charged_the_overhead_plus_the_growth_of_the_codec():
+    """The lab's 1 Gbit/s links with the ResNet-18 tile model (2026-11-26): compute 4.1 s (budget 0.41 s),
+    keep 0.1 % measured: 0.35 s of codec times summed (the processes' codec partly overlap), 0.015 s
+    spent beyond the step's compute and link. Charged 0.015 s scaled by (1 + 40 k), keep 10 % looked like
+    0.16 s and was chosen; it ran 1.16x its compute (0.6 s of overhead). With the codec's own growth
+    added (0.35 s x 40 x 0.099 / 1.04), 10 % is far over the budget and keep 1 % is chosen; charged the
+    codec sum itself, even 1 % looked over it."""
     schedule = KeepSchedule(CompressionConfig(keep_ratio="auto"))
-    schedule.costs.codec[0.001] = 0.35
-    schedule.costs.exchange[0.001] = 0.15
     gbit = link(1000.0)
 
     def link_s(k):
         return gbit.exchange_seconds(*model().per_worker(k))
 
-    decision = schedule.decide(gbit, 3.1, model())
+    schedule.costs.codec[0.001] = 0.35
+    schedule.costs.exchange[0.001] = 0.015 + link_s(0.001)
+    decision = schedule.decide(gbit, 4.1, model())
     assert decision.ratio == 0.01
-    base = 0.15 - link_s(0.001)
-    assert decision.exchange_seconds == pytest.approx(
-        link_s(0.01) + base * (1 + 0.01 * CODEC_GROWTH) / (1 + 0.001 * CODEC_GROWTH))
-    assert link_s(0.1) + base * (1 + 0.1 * CODEC_GROWTH) / (1 + 0.001 * CODEC_GROWTH) > 0.31
-    assert link_s(0.1) + base < 0.31  # what the unscaled charge let through
+    grow = 0.35 * CODEC_GROWTH / (1 + 0.001 * CODEC_GROWTH)
+    assert decision.exchange_seconds == pytest.approx(link_s(0.01) + 0.015 + grow * 0.009)
+    assert link_s(0.1) + 0.015 + grow * 0.099 > 1.0
+    assert link_s(0.1) + 0.015 * (1 + 0.1 * CODEC_GROWTH) < 0.41  # what the scaled overhead let through
     # once keep 10 % has run and cost little, what it cost decides
     schedule.costs.exchange[0.1] = 0.2
-    assert schedule.decide(gbit, 3.1, model()).ratio == 0.1
+    assert schedule.decide(gbit, 4.1, model()).ratio == 0.1
 
 
 def test_what_the_steps_cost_overrides_a_noisy_probe():
