@@ -5,7 +5,7 @@ same bags, one thread), alternating, medians of repeats.
 
 Two steps per head: a DPGS worker's step (8 bags in one packed forward/backward, the demo's bags: 64
 features, 10-120 instances) and a classic step (one bag, then Adam). ``nn.Dropout`` is put back by
-replacing every dpgs ``Dropout`` of the model with an ``nn.Dropout`` of the same ``p``.
+swapping the dropout layers of one model (same weights), the order alternating per repeat.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from dpgs.models.layers import Dropout
 from dpgs.train.steps import batch_loss
 
 
-def with_torch_dropout(model: nn.Module) -> nn.Module:
-    """``model`` with each dpgs ``Dropout`` replaced by ``nn.Dropout(p)``."""
+def use_dropout(model: nn.Module, cls: type[nn.Dropout]) -> nn.Module:
+    """``model`` with each dropout layer replaced by ``cls`` of the same ``p`` (the weights are kept)."""
     for module in list(model.modules()):
         for name, child in module.named_children():
-            if type(child) is Dropout:
-                setattr(module, name, nn.Dropout(child.p))
+            if isinstance(child, nn.Dropout):
+                setattr(module, name, cls(child.p))
     return model
 
 
@@ -58,17 +58,18 @@ def seconds_per_step(model: nn.Module, batch: list[torch.Tensor], optimizer: tor
 
 
 def measure(head: str, repeats: int) -> dict:
+    """One model, its dropout layers swapped between the two kinds; the order alternates per repeat."""
     torch.manual_seed(0)
-    ours = build_head(head, 64, 2).train()
-    theirs = with_torch_dropout(build_head(head, 64, 2).train())
-    worker_batch, classic_batches = bags(8, 0), bags(1, 1)
-    keys = ("worker_torch", "worker_dpgs", "classic_torch", "classic_dpgs")
-    times: dict[str, list[float]] = {k: [] for k in keys}
-    for _ in range(repeats):  # alternating: a noisy second hits both
-        for label, model in (("torch", theirs), ("dpgs", ours)):
+    model = build_head(head, 64, 2).train()
+    worker_batch, classic_batch = bags(8, 0), bags(1, 1)
+    kinds = {"torch": nn.Dropout, "dpgs": Dropout}
+    times: dict[str, list[float]] = {f"{step}_{k}": [] for step in ("worker", "classic") for k in kinds}
+    for r in range(repeats):
+        for label in (("torch", "dpgs") if r % 2 == 0 else ("dpgs", "torch")):
+            use_dropout(model, kinds[label])
             times[f"worker_{label}"].append(seconds_per_step(model, worker_batch, None, 20))
             opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-            times[f"classic_{label}"].append(seconds_per_step(model, classic_batches, opt, 40))
+            times[f"classic_{label}"].append(seconds_per_step(model, classic_batch, opt, 40))
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"head": head, **med,
             "worker_ratio": med["worker_dpgs"] / med["worker_torch"],
