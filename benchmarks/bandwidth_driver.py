@@ -9,10 +9,12 @@ counter sampler, shared by every network namespace of the machine) and the ranks
 master's step seconds and bytes, each worker's compute seconds and bytes up and down). The counters
 between a chunk's start and end are the chunk's traffic: its steps, without the run's start-up, the fold
 start's weights, link probes, evaluations and checkpoints. One other difference: the state asked for at
-an epoch's end (``RankGroup.ask_state``) is asked 0.5 s later, and a link probe returns 0.5 s after it
+an epoch's end (``RankGroup.ask_state``) is asked 0.15 s later, and a link probe returns 0.15 s after it
 ended, so that neither's traffic is smeared into a chunk's window by the sampler's interpolation (the
-auto rows of the first two ``--quick`` runs counted 0.3 MB a step of probe traffic at 1 Gbit/s; with a
-0.15 s pause the auto rows of 2026-11-26's sixth session still counted 0.1-0.4 MB a step more than dpgs).
+auto rows of the first two ``--quick`` runs counted 0.3 MB a step of probe traffic at 1 Gbit/s). The
+pauses lengthen a DPGS row's epochs (its time to target) by 0.15 s each. A 0.5 s pause did not change
+the auto rows' excess over dpgs's count (2026-11-26, sixth session; the samples around every chunk's
+edges were 0.05 s apart), so it stays at 0.15 s.
 """
 
 from __future__ import annotations
@@ -28,8 +30,7 @@ import dpgs.distributed.session as session
 from dpgs.cli import main as dpgs_main
 from dpgs.distributed.rank_group import RankGroup
 
-PAUSE_S = 0.5  # ten periods of the benchmark's counter sampler (whose samples come late on a loaded
-# machine): between a chunk and other traffic
+PAUSE_S = 0.15  # three periods of the benchmark's counter sampler: between a chunk and other traffic
 
 
 class RecordingGroup(RankGroup):

@@ -1,7 +1,7 @@
 """Dropout on the CPU: a head's training step with ``nn.Dropout`` against dpgs's ``Dropout`` (same model,
 same bags, one thread), alternating, medians of repeats.
 
-    python benchmarks/dropout.py [--heads abmil clam_sb transmil] [--repeats 5] [--out FILE]
+    python benchmarks/dropout.py [--heads abmil clam_sb] [--repeats 15] [--out FILE]
 
 Two steps per head: a DPGS worker's step (8 bags in one packed forward/backward, the demo's bags: 64
 features, 10-120 instances) and a classic step (one bag, then Adam). ``nn.Dropout`` is put back by
@@ -78,8 +78,8 @@ def measure(head: str, repeats: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", nargs="+", default=["abmil", "clam_sb", "transmil"])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--heads", nargs="+", default=["abmil", "clam_sb"])
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)

@@ -159,12 +159,12 @@ class StepCosts:
         measured), plus the growth of the codec from n to ``keep``: ``codec(n) * G (keep - n) / (1 + G n)``
         (G = ``CODEC_GROWTH``: the codec costs ``1 + G k`` times its cost at k -> 0). 0 for dense, and while
         no compressed step has run."""
-        run = [k for k in self.codec.keys() | self.exchange.keys() if k < 1.0]
+        run = [k for k in self.codec if k < 1.0]  # observe() measures a ratio's codec with its exchange
         if keep >= 1.0 or not run:
             return 0.0
         n = min(run, key=lambda k: abs(math.log(k / keep)))
         base = max(self.exchange[n] - link_seconds(n), 0.0) if n in self.exchange else self.codec[n]
-        growth = self.codec.get(n, base) * CODEC_GROWTH * (keep - n) / (1.0 + CODEC_GROWTH * n)
+        growth = self.codec[n] * CODEC_GROWTH * (keep - n) / (1.0 + CODEC_GROWTH * n)
         return max(base + growth, 0.0)
 
     def codec_floor(self, keep: float) -> float:
