@@ -31,6 +31,7 @@ import torch
 
 from dpgs.config import Config
 from dpgs.distributed.fold import FoldStart
+from dpgs.distributed.gpu_share import cap_to_share, peak_bytes, reset_peak
 from dpgs.distributed.link_probe import probe_as_worker
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState, StepPlan, WorkerStep
 from dpgs.distributed.rendezvous import Rendezvous
@@ -74,6 +75,7 @@ class Worker(ABC):
         self.worker = worker
         self.rank = worker_rank(worker)
         self.device = torch.device(device)
+        self.gpu_share = cap_to_share(worker, self.device)
         self.seed = config.seed
         self.mbps = config.dpgs.emulate_bandwidth_mbps
         self.model = self.build_model(model_spec)
@@ -117,10 +119,11 @@ class Worker(ABC):
         """Where this worker runs, one line per process (the driver prints them at start-up)."""
         context = ray.get_runtime_context()
         resources = ", ".join(f"{k}={v:g}" for k, v in sorted(context.get_assigned_resources().items()))
+        share = "" if self.gpu_share is None else f" {self.gpu_share.describe()}"
         return [
             f"worker {self.worker}: node={context.get_node_id()[:12]} ip={ray.util.get_node_ip_address()} "
             f"pid={os.getpid()} device={self.device} threads={torch.get_num_threads()} "
-            f"resources=[{resources}]"
+            f"resources=[{resources}]{share}"
         ]
 
     def close(self) -> None:  # noqa: B027 - an optional hook, nothing to do by default
@@ -216,13 +219,19 @@ class Worker(ABC):
         start = time.perf_counter()
         total, losses, instances, halo, restarts = None, [], 0, 0, 0
         self.model.train()
-        for indices, micro in zip(micro_batches, bags, strict=True):
-            out = self.bag_gradients(indices, micro, step)
-            total = out.grad if total is None else total.add_(out.grad)
-            losses += out.losses
-            instances += out.instances
-            halo += out.halo_bytes
-            restarts += out.group_restarts
+        reset_peak(self.device)
+        try:
+            for indices, micro in zip(micro_batches, bags, strict=True):
+                out = self.bag_gradients(indices, micro, step)
+                total = out.grad if total is None else total.add_(out.grad)
+                losses += out.losses
+                instances += out.instances
+                halo += out.halo_bytes
+                restarts += out.group_restarts
+        except torch.OutOfMemoryError as err:
+            if self.gpu_share is None:
+                raise
+            raise self.gpu_share.exceeded(err) from err
         computed = time.perf_counter()
         n_bags = len(losses)  # without bags the residual waits for this worker's next ones
         part = self.sync.contribute(step, n_bags, total, self.step_buffers())
@@ -243,5 +252,6 @@ class Worker(ABC):
             dense_bytes=4 * self.replica.numel + 8 * self.replica.n_buffers,
             halo_bytes=halo,
             group_restarts=restarts,
+            peak_device_bytes=peak_bytes(self.device),
         )
         return Pending(part, report)

@@ -91,6 +91,8 @@ def epoch_metrics(reports: ChunkReports, workers: int) -> dict[str, float]:
             len(master), 1
         )
         metrics["sample_parallel_restarts"] = float(sum(r.group_restarts for r in reports.workers))
+    if any(r.peak_device_bytes for r in reports.workers):
+        metrics["worker_peak_device_mib"] = max(r.peak_device_bytes for r in reports.workers) / float(1 << 20)
     return metrics
 
 

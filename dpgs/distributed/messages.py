@@ -88,6 +88,7 @@ class WorkerStep:
     dense_bytes: int  # the same message up uncompressed: 4 bytes per gradient value, 8 per buffer value
     halo_bytes: int = 0  # sample-parallel groups: traffic among the group's ranks
     group_restarts: int = 0
+    peak_device_bytes: int = 0  # the most CUDA memory allocated during the step's compute (0 on CPU)
 
 
 @dataclass
