@@ -10,7 +10,6 @@ import torch
 
 from dpgs.config import load_config
 from dpgs.data import write_demo_data
-from dpgs.runner import run_training
 
 MACHINE = "2-core CPU VM, 24 GiB RAM, no GPU"
 
@@ -25,6 +24,8 @@ def demo_manifest(work: Path, bags: int, seed: int = 0) -> Path:
 
 def run(manifest: Path, work: Path, name: str, *overrides: str) -> dict:
     """Train once; return per-epoch history, test metrics and derived timings."""
+    from dpgs.runner import run_training  # MLflow with it: the other helpers run where it is not installed
+
     out = work / name
     cfg = load_config(
         None,

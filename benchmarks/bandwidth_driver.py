@@ -9,12 +9,19 @@ counter sampler, shared by every network namespace of the machine) and the ranks
 master's step seconds and bytes, each worker's compute seconds and bytes up and down). The counters
 between a chunk's start and end are the chunk's traffic: its steps, without the run's start-up, the fold
 start's weights, link probes, evaluations and checkpoints. One other difference: the state asked for at
-an epoch's end (``RankGroup.ask_state``) is asked 0.15 s later, and a link probe returns 0.15 s after it
-ended, so that neither's traffic is smeared into a chunk's window by the sampler's interpolation (the
-auto rows of the first two ``--quick`` runs counted 0.3 MB a step of probe traffic at 1 Gbit/s). The
-pauses lengthen a DPGS row's epochs (its time to target) by 0.15 s each. A 0.5 s pause did not change
-the auto rows' excess over dpgs's count (2026-11-26, sixth session; the samples around every chunk's
-edges were 0.05 s apart), so it stays at 0.15 s.
+an epoch's end (``RankGroup.ask_state``) is asked 0.15 s later, and a link probe starts 0.15 s after the
+chunk before it ended and returns 0.15 s after it ended, so that no such traffic is smeared into a
+chunk's window by the sampler's interpolation. The pauses lengthen a DPGS row's epochs (its time to
+target) by 0.15 s each.
+
+Why both sides of a probe: the sampler reads the counters every 50 ms and interpolates them at a chunk's
+edges, so the bytes of the 50 ms around an edge are shared out in proportion to time. Traffic that starts
+right after a chunk ends (the probe, 16 MB through the head at 1 Gbit/s: up to 6 MB in 50 ms) is partly
+counted in that chunk. Until 2026-11-27 only the end of a probe was padded, and ``keep_ratio=auto``'s rows
+(whose first chunk is followed by a probe) counted 0.05-0.25 MB a step more than dpgs sent; per-socket
+byte counts (``ss -ti`` in the worker hosts' namespaces) showed the gloo connection carrying exactly dpgs's
+count, the probe starting within 50 ms of the chunk's end, and nothing else in the window but Ray's
+periodic reports (28 kB every 5 s per host to the GCS).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class RecordingGroup(RankGroup):
         super().ask_state(weights)
 
     def probe_links(self, sizes):
+        time.sleep(PAUSE_S)  # the chunk before must not take in the probe's first megabytes
         start = time.time()
         probe = super().probe_links(sizes)
         RecordingGroup.probes.append({"start": start, "end": time.time(), "sizes": list(sizes),

@@ -8,10 +8,14 @@ the role classes and hands them to the DPGS driver, which never imports them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dpgs.config import Config
 from dpgs.train.engine import Session
 from dpgs.train.local_engine import LocalSession
-from dpgs.train.trainer import TrainingResult, train_splits
+
+if TYPE_CHECKING:
+    from dpgs.train.trainer import TrainingResult
 
 
 def dpgs_roles(config: Config):
@@ -33,7 +37,12 @@ def open_session(config: Config) -> Session:
 
 
 def run_training(config: Config) -> TrainingResult:
-    """Validate inputs, train every fold, close the session; returns the (parent) run's results."""
+    """Validate inputs, train every fold, close the session; returns the (parent) run's results.
+
+    The trainer (and with it MLflow) is imported here, not with the module: picking the roles and opening
+    a session need no tracking (a GPU machine with torch and Ray alone runs the DPGS engine)."""
+    from dpgs.train.trainer import train_splits
+
     session = open_session(config)
     try:
         return train_splits(config, session)

@@ -56,8 +56,9 @@ def cap_to_share(worker: int, device: torch.device) -> GpuShare | None:
     share = float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0))
     if not 0 < share < 1:
         return None
-    torch.cuda.set_per_process_memory_fraction(share, device)
-    return GpuShare(worker, share, torch.cuda.get_device_properties(device).total_memory)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    torch.cuda.set_per_process_memory_fraction(share, index)
+    return GpuShare(worker, share, torch.cuda.get_device_properties(index).total_memory)
 
 
 def reset_peak(device: torch.device) -> None:

@@ -12,6 +12,12 @@ send that same part again, the restarted worker computes only its own bags: ever
 exactly once. More than ``dpgs.max_worker_restarts`` restarts of one worker raise :class:`WorkerFailure`;
 a master that dies raises :class:`MasterFailure` (the run resumes from its last checkpoint). The restarted
 worker's error-feedback residual is lost (docs/reliability.md).
+
+Errors. A rank whose chunk raises (a bag file that cannot be read, a worker beyond its share of a GPU)
+ends the run with a :class:`RunFailure` that carries its error. The other ranks are blocked in the step's
+exchange with it; they get ``ERROR_GRACE_S`` to end by themselves (a master that died meanwhile is still
+reported as a :class:`MasterFailure`), then they are stopped: the run ends within seconds, not after
+``dpgs.call_timeout_s``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK
 from dpgs.errors import RunFailure
 from dpgs.records import Checkpoint
 from dpgs.runwatch import head_lost_message
+
+ERROR_GRACE_S = 5.0  # after a rank raised: how long the others may take to end by themselves
 
 
 @dataclass
@@ -276,9 +284,10 @@ class RankGroup:
             if not ready:
                 if deadline is None or time.monotonic() < deadline:
                     continue
-                for rank in pending.values():  # the others stopped call_timeout_s ago: these hang
+                for rank in pending.values():  # the others stopped a while ago: these hang
                     ray.kill(self.ranks[rank], no_restart=False)
-                    dead.add(rank)
+                    if not errors:  # lost, to be recovered; after an error the run ends (:meth:`run`)
+                        dead.add(rank)
                 break
             for ref in ready:
                 rank = pending.pop(ref)
@@ -290,7 +299,7 @@ class RankGroup:
                     errors[rank] = err
             trouble = dead or errors or any(r.interrupted_at is not None for r in results.values())
             if trouble and deadline is None:
-                deadline = time.monotonic() + self.timeout
+                deadline = time.monotonic() + (min(ERROR_GRACE_S, self.timeout) if errors else self.timeout)
                 if self.transport == "ray":
                     self.mailbox.abort.remote(self.generation)
         return results, dead, errors

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from dpgs.distributed.failures import ClusterLost, GcsWatch, MasterFailure, WorkerFailure
 from dpgs.distributed.frames import HEADER as FRAME_HEADER
+from dpgs.errors import RunFailure
 from dpgs.modeling import ModelSpec
 from dpgs.records import CHECKPOINT_FILE
 from dpgs.runner import run_training
@@ -128,6 +130,23 @@ def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bag
     assert epoch["comm_dense_bytes"] / total == pytest.approx(epoch["compression_ratio"])
     if downlink == "gradients":  # every worker receives every payload of the step, plus a small header
         assert 2 * epoch["comm_bytes_up"] < epoch["comm_bytes_down"] < 2 * epoch["comm_bytes_up"] + 2000
+
+
+def test_a_worker_error_ends_the_run_at_once_with_that_error(ray_cluster, tmp_path):
+    """A bag file that became unreadable after the data was validated: its worker raises in the step, the
+    master waits for that worker's gradient. The run ends with the worker's error (naming the file) within
+    seconds (``rank_group.ERROR_GRACE_S``), not after ``dpgs.call_timeout_s`` (300 s here), and not as a
+    master failure."""
+    manifest, feats = write_bags(tmp_path / "data", LENGTHS[:8])
+    config = make_config(manifest, feats, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.call_timeout_s=300", *EXACT, *DENSE)
+    data = experiment_data(config)
+    (feats / "s3.h5").write_bytes(b"not an HDF5 file")
+    started = time.monotonic()
+    with pytest.raises(RunFailure, match=r"^the worker [01] failed: .*s3\.h5") as raised:
+        dpgs_run(config, data, [[0, 1, 2, 3]])
+    assert not isinstance(raised.value, MasterFailure)
+    assert time.monotonic() - started < 60
 
 
 def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, tmp_path):
