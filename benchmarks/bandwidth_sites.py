@@ -18,6 +18,12 @@ of the running cluster with no job on it (Ray's own heartbeats, resource reports
 during a row's steps too, whether or not dpgs exchanges anything, so a row reports it beside the wire bytes:
 on the tile workload's multi-second steps at keep 0.1 % it is most of the gap between the wire and dpgs's
 count (on a 30 ms step it is next to nothing).
+
+Most of it was one source (per-socket counts, ``ss -ti`` in the worker hosts, 2026-11-26): every node's
+dashboard agent publishes its node's physical stats (a JSON of every Ray process's CPU and memory, 28 kB)
+to the GCS every 5 s, for a dashboard that the lab does not run. The lab's Ray therefore starts with
+``REPORTER_UPDATE_INTERVAL_MS`` at ``NODE_STATS_INTERVAL_MS`` (60 s), as a cluster on slow links should
+(docs/cluster.md); Ray's heartbeats and resource reports are untouched.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ RAY_PORT = 6379
 DDP_PORT = 29533
 IDLE_WINDOW_S = 10.0  # how long a site's idle traffic is measured before a link's rows
 OBJECT_STORE_BYTES = 600 << 20
+NODE_STATS_INTERVAL_MS = 60_000  # Ray's dashboard agents publish node stats this often (Ray's default: 5 s)
 
 
 def read_counters(pid: int, device: str) -> tuple[int, int]:
@@ -158,7 +165,8 @@ class LabSite:
         token = self.local_root / "ray-auth-token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": f"{self.site_root}/ray-auth-token"}
+        self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": f"{self.site_root}/ray-auth-token",
+                    "REPORTER_UPDATE_INTERVAL_MS": str(NODE_STATS_INTERVAL_MS)}
 
     # ---------------------------------------------------------------- Ray
     def start_ray(self, log) -> None:
