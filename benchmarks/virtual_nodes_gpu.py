@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -83,7 +84,7 @@ def measure(config, data, epochs: int, workers: int | None, busy: GpuBusy) -> di
         for epoch in range(1, epochs + 1):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            with busy if epoch > 1 else _Null():
+            with busy if epoch > 1 else nullcontext():
                 engine.run_epoch(batches_of(train, config.train.batch_size, epoch), epoch)
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
@@ -101,7 +102,7 @@ def measure(config, data, epochs: int, workers: int | None, busy: GpuBusy) -> di
                                           Path(config.train.output_dir)))
         for epoch in range(1, epochs + 1):
             start = time.perf_counter()
-            with busy if epoch > 1 else _Null():
+            with busy if epoch > 1 else nullcontext():
                 stats.append(engine.run_epoch(batches_of(train, config.train.batch_size, epoch), epoch, []))
             times.append(time.perf_counter() - start)
     finally:
@@ -114,14 +115,6 @@ def measure(config, data, epochs: int, workers: int | None, busy: GpuBusy) -> di
             "bags_per_s": len(train) / epoch_s,
             "peak_mib": max(s.get("worker_peak_device_mib", 0.0) for s in later), "busy": busy.percent,
             "bytes": mean("comm_bytes_per_step")}
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None) -> int:

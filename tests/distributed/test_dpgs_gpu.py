@@ -41,24 +41,13 @@ def bags(tmp_path_factory):
     return write_bags(tmp_path_factory.mktemp("bags"), LENGTHS, dim=512)
 
 
-def local_cuda_params(config, data, batches):
-    """The packed single-process run on the GPU (``local_params`` with train.device=cuda)."""
-    packed = config.model_copy(update={"train": config.train.model_copy(update={"mode": "packed"})})
-    _, model = start(packed, data)
-    from dpgs.train.local_engine import LocalEngine
-
-    engine = LocalEngine(model, packed.train, torch.device("cuda"), None, config.seed, data.dataset, 0)
-    engine.run_epoch(batches, 1)
-    return {k: v.detach().cpu().clone() for k, v in engine.state_dict().items()}
-
-
 @pytest.mark.parametrize("workers", [2, 4])
 def test_workers_share_one_gpu_and_one_step_equals_packed(gpu_ray, bags, tmp_path, workers):
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", f"dpgs.workers={workers}",
                          "train.device=cuda", *EXACT, *DENSE)
     data = experiment_data(config)
     batch = [[0, 1, 2, 3, 4, 5, 6]]
-    reference = local_cuda_params(config, data, batch)
+    reference = local_params(config, data, batch, device="cuda")
     cpu_reference = local_params(config, data, batch)
     spec, model = start(config, data)
     with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:

@@ -45,13 +45,14 @@ def start(config, data):
     return spec, spec.build()
 
 
-def local_params(config, data, batches, epochs=1):
+def local_params(config, data, batches, epochs=1, device="cpu"):
+    """The single-process packed run's parameters (on ``device``), as CPU tensors."""
     packed = config.model_copy(update={"train": config.train.model_copy(update={"mode": "packed"})})
     _, model = start(packed, data)
-    engine = LocalEngine(model, packed.train, torch.device("cpu"), None, config.seed, data.dataset, 0)
+    engine = LocalEngine(model, packed.train, torch.device(device), None, config.seed, data.dataset, 0)
     for epoch in range(1, epochs + 1):
         engine.run_epoch(batches, epoch)
-    return {k: v.clone() for k, v in engine.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in engine.state_dict().items()}
 
 
 def dpgs_run(config, data, batches, epochs=1, after_submit=None, after_chunk=None):
