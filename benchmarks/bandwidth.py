@@ -225,7 +225,7 @@ def run_lab(args, w, links: list[Link]) -> int:
     log(f"[lab] up: head + {args.workers} worker hosts")
     with Lab.up(workers=args.workers) as lab:
         site = LabSite(lab, args.workers, shape_head=not args.unshaped_head, keep_dir=args.cache / "lab-logs")
-        shutil.copytree(args.cache / w.key, site.local_root / w.key, dirs_exist_ok=True)
+        shutil.copytree(args.cache / w.data_dir, site.local_root / w.data_dir, dirs_exist_ok=True)
         site.start_ray(log)
         try:
             for link in links:

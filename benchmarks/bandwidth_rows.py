@@ -148,7 +148,8 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
     record_local, record_site = local / "records" / f"{row_id}.json", f"{remote}/records/{row_id}.json"
     record_local.parent.mkdir(parents=True, exist_ok=True)
     (local / "logs").mkdir(exist_ok=True)
-    overrides = [*w.overrides, *w.data_overrides(f"{remote}/{w.key}"), *method_overrides(method, w.quick),
+    overrides = [*w.overrides, *w.data_overrides(f"{remote}/{w.data_dir}"),
+                 *method_overrides(method, w.quick),
                  f"dpgs.workers={workers}", "dpgs.cpus_per_worker=1", "seed=0",
                  f"experiment=bandwidth-{w.key}", f"tracking.run_name={row_id}",
                  f"tracking.uri=sqlite:///{remote}/mlflow.db", f"train.output_dir={remote}/runs/{row_id}",
@@ -248,7 +249,7 @@ def run_ddp_row(site, w: Workload, method: str, row_id: str, sampler: CounterSam
     (local / "logs").mkdir(parents=True, exist_ok=True)
     if out_local.exists():
         shutil.rmtree(out_local)
-    overrides = [*w.overrides, *w.data_overrides(f"{remote}/{w.key}"), "seed=0"]
+    overrides = [*w.overrides, *w.data_overrides(f"{remote}/{w.data_dir}"), "seed=0"]
     rank = DDP_METHODS[method]
     load_before, started = _load(), time.time()
     outs = []

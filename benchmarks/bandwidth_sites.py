@@ -302,8 +302,12 @@ class LoopbackSite:
         return []
 
     def start_driver(self, argv: list[str]) -> subprocess.Popen:
+        """The row's driver; the Ray it starts publishes node stats as the lab's does (every
+        ``NODE_STATS_INTERVAL_MS``), so its loopback carries the same kinds of traffic."""
         return subprocess.Popen(argv, cwd=ROOT, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, bufsize=1)
+                                stderr=subprocess.STDOUT, bufsize=1,
+                                env={**os.environ,
+                                     "REPORTER_UPDATE_INTERVAL_MS": str(NODE_STATS_INTERVAL_MS)})
 
     def start_ddp_rank(self, rank: int, argv: list[str]) -> subprocess.Popen:
         return subprocess.Popen(argv, cwd=ROOT, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -26,6 +26,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default="bags",
         help="bags: digits feature bags (default); slides: small synthetic pyramidal TIFF slides",
     )
+    p.add_argument(
+        "--tumour-contrast",
+        type=float,
+        metavar="C",
+        help="--kind slides: how far the tumour's nuclei texture is from normal tissue, in (0, 1] "
+        "(default 1; smaller is a harder task)",
+    )
     return p
 
 
@@ -35,8 +42,11 @@ def run(args) -> int:
     if args.kind == "slides":
         from dpgs.wsi.synthetic import write_synthetic_slides
 
+        contrast = 1.0 if args.tumour_contrast is None else args.tumour_contrast
         try:
-            manifest = write_synthetic_slides(args.out_dir, n_slides=args.bags or 8, seed=args.seed)
+            manifest = write_synthetic_slides(
+                args.out_dir, n_slides=args.bags or 8, seed=args.seed, tumour_contrast=contrast
+            )
         except (ValueError, FileExistsError, OSError) as err:
             print(f"dpgs demo-data: error: {err}", file=sys.stderr)
             return 2
@@ -46,6 +56,9 @@ def run(args) -> int:
             "--tile-size 32"
         )
         return 0
+    if args.tumour_contrast is not None:
+        print("dpgs demo-data: error: --tumour-contrast applies to --kind slides only", file=sys.stderr)
+        return 2
     try:
         manifest = write_demo_data(args.out_dir, bags=args.bags or 200, seed=args.seed, classes=args.classes)
     except (ValueError, FileExistsError, OSError) as err:

@@ -14,6 +14,11 @@ Level ``k`` is the 2^k x 2^k box mean of level 0 (the image is cropped to a mult
 stroma blobs with purple nuclei, and on positive slides (label 1) one or two "tumour" regions inside the
 tissue whose nuclei are about twice as large and twice as dense, in the same colours as normal tissue, so
 the label is learnable from the texture of a few tiles and not from the colour of the slide.
+``tumour_contrast`` (0 < c <= 1, default 1) sets how far that texture is from normal tissue: the
+tumour's nuclei are drawn like normal ones (noise pitch ``NUCLEUS_SCALE``, threshold
+``NUCLEUS_THRESHOLD``) moved a fraction c of the way to the full tumour texture (pitch
+``TUMOUR_NUCLEUS_SCALE``, threshold ``TUMOUR_NUCLEUS_THRESHOLD``); c = 1 is the texture above, a smaller
+c a harder task (an encoder needs more steps to separate the classes).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from dpgs.staging import staged_directory
 
 MARKER = "demo_slides.json"
 NUCLEUS_RGB = np.array([96, 64, 158], np.float32)
+# Normal tissue: nuclei where smooth noise of pitch 3 px exceeds 0.82 (~10% of the area).
+NUCLEUS_SCALE = 3.0
+NUCLEUS_THRESHOLD = 0.82
 # Tumour: the same stroma and nucleus colour as normal tissue, but nuclei about twice as large and twice
 # as dense (~20% of the area against ~10%): a texture a trained encoder learns and a colour histogram
 # (or a random frozen encoder) barely separates.
@@ -118,10 +126,21 @@ def _ellipses(rng, yy, xx, n, centres, radius_range, wobble) -> np.ndarray:
     return mask
 
 
+def tumour_nuclei_texture(contrast: float) -> tuple[float, float]:
+    """(noise pitch px, threshold) of tumour nuclei at ``contrast`` c in (0, 1]: the normal texture
+    moved the fraction c of the way to the full tumour texture (linear in both)."""
+    if not 0.0 < contrast <= 1.0:
+        raise ValueError(f"tumour_contrast must be in (0, 1], got {contrast}")
+    scale = NUCLEUS_SCALE + contrast * (TUMOUR_NUCLEUS_SCALE - NUCLEUS_SCALE)
+    threshold = NUCLEUS_THRESHOLD + contrast * (TUMOUR_NUCLEUS_THRESHOLD - NUCLEUS_THRESHOLD)
+    return scale, threshold
+
+
 def render_slide(
-    height: int, width: int, positive: bool, rng: np.random.Generator
+    height: int, width: int, positive: bool, rng: np.random.Generator, tumour_contrast: float = 1.0
 ) -> tuple[np.ndarray, dict]:
     """uint8 RGB [height, width, 3] H&E-like image and its tissue / tumour masks."""
+    t_scale, t_threshold = tumour_nuclei_texture(tumour_contrast)
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
     wobble = 0.6 * (smooth_noise(rng, height, width, 48) - 0.5)
     n_blobs = int(rng.integers(2, 5))
@@ -134,7 +153,7 @@ def render_slide(
     img[:] = np.array([243, 242, 245], np.float32)
     shade = smooth_noise(rng, height, width, 24)[..., None]
     stroma = np.array([236, 168, 206], np.float32) + (shade - 0.5) * np.array([20, 40, 25], np.float32)
-    nuclei = smooth_noise(rng, height, width, 3.0) > 0.82
+    nuclei = smooth_noise(rng, height, width, NUCLEUS_SCALE) > NUCLEUS_THRESHOLD
     img[tissue] = stroma[tissue]
     img[tissue & nuclei] = NUCLEUS_RGB
 
@@ -144,7 +163,7 @@ def render_slide(
         n_regions = int(rng.integers(1, 3))
         picks = inside[rng.integers(0, len(inside), n_regions)].astype(np.float32)
         tumour = _ellipses(rng, yy, xx, n_regions, picks, (0.07, 0.13), 0.3 * wobble) & tissue
-        t_nuclei = smooth_noise(rng, height, width, TUMOUR_NUCLEUS_SCALE) > TUMOUR_NUCLEUS_THRESHOLD
+        t_nuclei = smooth_noise(rng, height, width, t_scale) > t_threshold
         img[tumour] = stroma[tumour]
         img[tumour & t_nuclei] = NUCLEUS_RGB
     img += rng.normal(0.0, 4.0, size=img.shape).astype(np.float32)
@@ -175,6 +194,7 @@ def write_synthetic_slides(
     levels: int = 3,
     objective_power: float = 20,
     mpp: float = 0.5,
+    tumour_contrast: float = 1.0,
 ) -> Path:
     """Write ``n_slides`` synthetic slides and their manifest into ``out_dir``; returns the manifest path.
 
@@ -182,10 +202,12 @@ def write_synthetic_slides(
     SVS-like metadata ``AppMag = objective_power``, ``MPP = mpp``), ``out_dir/manifest.csv`` with
     ``slide_id,label,case_id,split`` (labels 0/1 alternate, one case per slide, ~60/20/20 train/val/test
     within each label) and ``out_dir/demo_slides.json`` (parameters and per-slide tissue and tumour
-    fractions). ``out_dir`` must be new, empty or a previous synthetic-slides directory (replaced).
+    fractions); ``tumour_contrast``: see the module docstring. ``out_dir`` must be new, empty or a
+    previous synthetic-slides directory (replaced).
     """
     if n_slides < 2:
         raise ValueError(f"n_slides must be >= 2 (one per class), got {n_slides}")
+    tumour_nuclei_texture(tumour_contrast)  # refuses a contrast outside (0, 1] before anything is written
     width, height = (int(v) for v in size)
     if min(width, height) < 64 << (levels - 1):
         raise ValueError(
@@ -202,7 +224,7 @@ def write_synthetic_slides(
         for i, label in enumerate(labels):
             slide_id = f"slide_{i:03d}"
             rng = np.random.default_rng([seed, i])
-            image, masks = render_slide(height, width, bool(label), rng)
+            image, masks = render_slide(height, width, bool(label), rng, tumour_contrast)
             write_pyramid_tiff(tmp / "slides" / f"{slide_id}.tif", image, levels, 256, objective_power, mpp)
             split = _split_of(ranks[label], counts[label])
             ranks[label] += 1
@@ -226,6 +248,7 @@ def write_synthetic_slides(
             "levels": levels,
             "objective_power": objective_power,
             "mpp": mpp,
+            "tumour_contrast": tumour_contrast,
             "split_counts": {s: sum(r[3] == s for r in rows) for s in SPLITS},
             "slides": info,
         }

@@ -182,3 +182,19 @@ def test_command(tmp_path, capsys):
     args = parser.parse_args(["demo-data", str(tmp_path / "y")])
     assert demo_cmd.run(args) == 2
     assert "not a dpgs demo directory" in capsys.readouterr().err
+
+
+def test_command_tumour_contrast_is_for_slides(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    demo_cmd.add_parser(sub)
+    args = parser.parse_args(["demo-data", str(tmp_path / "b"), "--tumour-contrast", "0.5"])
+    assert demo_cmd.run(args) == 2
+    assert "--tumour-contrast applies to --kind slides only" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    args = parser.parse_args(
+        ["demo-data", str(tmp_path / "s"), "--kind", "slides", "--bags", "2", "--tumour-contrast", "1.5"]
+    )
+    assert demo_cmd.run(args) == 2
+    assert "tumour_contrast must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

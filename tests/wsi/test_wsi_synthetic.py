@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from dpgs.wsi.reader import open_slide
-from dpgs.wsi.synthetic import NUCLEUS_RGB, read_summary, render_slide, write_synthetic_slides
+from dpgs.wsi.synthetic import (
+    NUCLEUS_RGB,
+    TUMOUR_NUCLEUS_SCALE,
+    TUMOUR_NUCLEUS_THRESHOLD,
+    read_summary,
+    render_slide,
+    tumour_nuclei_texture,
+    write_synthetic_slides,
+)
 from dpgs.wsi.tiling import TilingParams, tile_directory
 
 
@@ -66,3 +74,35 @@ def test_refuses_foreign_directory(tmp_path):
         write_synthetic_slides(tmp_path, n_slides=2, size=(256, 256))
     with pytest.raises(ValueError, match="n_slides must be >= 2"):
         write_synthetic_slides(tmp_path / "new", n_slides=1)
+
+
+def _nuclear_area(image: np.ndarray, where: np.ndarray) -> float:
+    return float((np.abs(image.astype(float) - NUCLEUS_RGB).max(axis=-1) < 16)[where].mean())
+
+
+def test_tumour_contrast_moves_the_texture_towards_normal_tissue():
+    """A lower contrast draws tumour nuclei closer to normal ones: the nuclear area of the tumour lies
+    between normal tissue's and the full tumour's, on the same slide layout (same seed)."""
+    full, masks = render_slide(768, 1024, True, np.random.default_rng(3))
+    low, low_masks = render_slide(768, 1024, True, np.random.default_rng(3), tumour_contrast=0.3)
+    tumour, normal = masks["tumour"], masks["tissue"] & ~masks["tumour"]
+    assert np.array_equal(low_masks["tumour"], tumour)  # the contrast changes the texture, not the layout
+    area_normal, area_low, area_full = (
+        _nuclear_area(full, normal), _nuclear_area(low, tumour), _nuclear_area(full, tumour)
+    )
+    assert area_normal < area_low < area_full
+    assert area_low - area_normal < 0.5 * (area_full - area_normal)
+    assert tumour_nuclei_texture(1.0) == (TUMOUR_NUCLEUS_SCALE, TUMOUR_NUCLEUS_THRESHOLD)
+
+
+@pytest.mark.parametrize("contrast", [0.0, -0.5, 1.5])
+def test_refuses_a_contrast_outside_the_unit_interval_before_writing(tmp_path, contrast):
+    out = tmp_path / "slides_demo"
+    with pytest.raises(ValueError, match=r"tumour_contrast must be in \(0, 1\]"):
+        write_synthetic_slides(out, n_slides=2, size=(256, 256), tumour_contrast=contrast)
+    assert not out.exists()
+
+
+def test_summary_records_the_contrast(tmp_path):
+    manifest = write_synthetic_slides(tmp_path / "d", n_slides=2, size=(256, 256), tumour_contrast=0.4)
+    assert read_summary(manifest.parent)["tumour_contrast"] == 0.4
