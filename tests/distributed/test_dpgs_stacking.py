@@ -438,9 +438,13 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
 def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, bags, tmp_path, mbps, compressed):
     """keep_ratio=auto: on loopback the dense exchange costs next to nothing: dense; behind 0.5 Mbit/s
     links (emulated in the workers) the dense exchange costs far more than the compute: compressed. Every
-    epoch logs the choice with its figures, and the run ends at the same step count either way."""
+    epoch logs the choice with its figures, and the run ends at the same step count either way.
+    ``auto_share=0.5``: this model's step computes for a few ms, so at the default 10 % a loopback
+    exchange of a few hundred µs, slowed once by a busy core, tipped the choice (1 run in 3 on a faster
+    machine, 2026-11-27); 0.5 Mbit/s costs hundreds of times the compute either way."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
                          "dpgs.compression.keep_ratio=auto", "dpgs.compression.warmup_epochs=0",
+                         "dpgs.compression.auto_share=0.5",
                          f"dpgs.emulate_bandwidth_mbps={mbps or 'null'}")
     data = experiment_data(config)
     # four steps an epoch: auto judges a ratio by the median of its steps, so one step slowed by a loaded
