@@ -85,6 +85,11 @@ class ParamLayout:
                 merged.append([s.offset, s.numel])
         return np.array(merged, dtype=np.int64).reshape(-1, 2)
 
+    def sparse_ranges(self) -> np.ndarray:
+        """int64 array [n, 2] of (offset, length), one row per compressible (not dense, non-empty) tensor."""
+        rows = [[s.offset, s.numel] for s in self.specs if not s.dense and s.numel]
+        return np.array(rows, dtype=np.int64).reshape(-1, 2)
+
     def dense_numel(self) -> int:
         return sum(s.numel for s in self.specs if s.dense)
 

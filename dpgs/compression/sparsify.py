@@ -9,6 +9,7 @@ position (see ``dpgs.compression.dtypes``).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -53,11 +54,21 @@ def dense_positions(ranges: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def sparsify_(acc: torch.Tensor, k: int, *, ranges: np.ndarray, dense_pos: torch.Tensor, dtype: ValueDtype,
               clip_norm: float | None, magnitude: torch.Tensor, exact_max_numel: int, sample_ratio: float,
-              generator: torch.Generator) -> Sent:
+              generator: torch.Generator, tensor_ranges: np.ndarray | None = None) -> Sent:
     """Select, clip, round and subtract in place (module docstring). ``magnitude`` is a scratch buffer like
-    ``acc``; ``dense_pos`` = ``dense_positions(ranges)``; ``k`` counts compressible elements only."""
+    ``acc``; ``dense_pos`` = ``dense_positions(ranges)``; ``k`` counts compressible elements only.
+
+    ``tensor_ranges`` (one (offset, length) row per compressible tensor): rank each entry by
+    ``|acc_i| / rms(acc over its tensor)`` instead of ``|acc_i|``, so that every tensor takes about its
+    share of the k entries whatever the scale of its gradient (layer-wise keep ratios)."""
     n = acc.numel()
     check_finite(acc, magnitude, "accumulated vector (input + residual)")
+    if tensor_ranges is not None:
+        for offset, length in tensor_ranges:
+            part = magnitude[offset : offset + length]
+            rms = float(torch.linalg.vector_norm(part)) / math.sqrt(length)
+            if rms > 0:
+                part.div_(rms)
     for offset, length in ranges:
         magnitude[offset : offset + length] = -1.0  # never selected by top-k: sent dense below
     start = time.perf_counter()

@@ -63,12 +63,16 @@ class TopKCompressor:
     layout / dense_min_numel: tensors flagged dense in ``layout``, or with fewer than ``dense_min_numel``
         elements, are sent uncompressed every call (without a layout the whole vector counts as one tensor).
     exact_max_numel / sample_ratio / seed: selection (``dpgs.compression.selection``).
+    ranking: "magnitude" keeps the entries of largest ``|acc_i|`` over the whole vector; "tensor_rms" those
+        of largest ``|acc_i| / rms(acc over the tensor of i)`` (needs ``layout``; without one the vector is
+        one tensor and both rankings agree), so every tensor of the layout sends about its share of k
+        whatever the scale of its gradient (``dpgs.compression.sparsify.sparsify_``).
     """
 
     def __init__(self, clip_norm: float | None = None, value_dtype: str = "fp16",
                  zstd_level: int = 3, momentum_correction: float | None = None, momentum_masking: bool = True,
                  dense_min_numel: int = 0, layout: ParamLayout | None = None, exact_max_numel: int = 1 << 20,
-                 sample_ratio: float = 0.01, seed: int = 0):
+                 sample_ratio: float = 0.01, seed: int = 0, ranking: str = "magnitude"):
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm must be positive or None, got {clip_norm}")
         if momentum_correction is not None and not 0.0 <= momentum_correction < 1.0:
@@ -85,6 +89,10 @@ class TopKCompressor:
         self.exact_max_numel = int(exact_max_numel)
         self.sample_ratio = float(sample_ratio)
         self.generator = torch.Generator().manual_seed(seed)
+        if ranking not in ("magnitude", "tensor_rms"):
+            raise ValueError(f"ranking must be 'magnitude' or 'tensor_rms', got {ranking!r}")
+        self.ranking = ranking
+        self._tensor_ranges: np.ndarray | None = None
         self.residual: torch.Tensor | None = None
         self.momentum: torch.Tensor | None = None
         self.step = 0
@@ -102,7 +110,10 @@ class TopKCompressor:
         if self.layout is not None:
             if self.layout.numel != n:
                 raise ValueError(f"flat vector has {n} elements, the layout has {self.layout.numel}")
-            self._ranges = self.layout.with_dense_min_numel(self.dense_min_numel).dense_ranges()
+            layout = self.layout.with_dense_min_numel(self.dense_min_numel)
+            self._ranges = layout.dense_ranges()
+            if self.ranking == "tensor_rms":
+                self._tensor_ranges = layout.sparse_ranges()
         elif 0 < n < self.dense_min_numel:
             self._ranges = np.array([[0, n]], dtype=np.int64)
         self.residual = torch.zeros(n, dtype=torch.float32, device=device)
@@ -113,7 +124,7 @@ class TopKCompressor:
 
     def reset(self) -> None:
         """Forget the residual, the momentum and the size (the next call starts afresh)."""
-        self.residual = self.momentum = self._magnitude = self._dense_pos = None
+        self.residual = self.momentum = self._magnitude = self._dense_pos = self._tensor_ranges = None
         self._ranges = np.zeros((0, 2), dtype=np.int64)
 
     def _accumulate(self, flat: torch.Tensor) -> torch.Tensor:
@@ -162,7 +173,7 @@ class TopKCompressor:
         sent = sparsify_(self.residual, k, ranges=self._ranges, dense_pos=self._dense_pos, dtype=self.dtype,
                          clip_norm=self.clip_norm, magnitude=self._magnitude,
                          exact_max_numel=self.exact_max_numel, sample_ratio=self.sample_ratio,
-                         generator=self.generator)
+                         generator=self.generator, tensor_ranges=self._tensor_ranges)
         if self.momentum is not None and self.momentum_masking:
             self.momentum[sent.indices] = 0.0
         version = self.step if version is None else int(version)

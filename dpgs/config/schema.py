@@ -162,6 +162,11 @@ class CompressionConfig(Section):
         0.1, gt=0, lt=1, description="keep_ratio=auto: the largest ratio whose exchange costs at most this "
         "share of a step's compute (1 when the dense exchange does)"
     )
+    ranking: Literal["magnitude", "tensor_rms"] = Field(
+        "tensor_rms", description="which entries the workers' top-k keeps: tensor_rms: the largest |g| relative "
+        "to the RMS of their tensor (every tensor sends about its share); magnitude: the largest |g| of the "
+        "whole model (DMGC, DGC)"
+    )
     value_dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
     clip_norm: float | None = Field(None, gt=0)
     zstd_level: int = Field(3, ge=1, le=22)

@@ -98,6 +98,7 @@ class Uplink:
             dense_min_numel=cfg.dense_min_numel,
             layout=layout,
             exact_max_numel=EXACT_TOPK_MAX_NUMEL,
+            ranking=cfg.ranking,
         )
 
     def encode(self, grad: torch.Tensor, keep_ratio: float) -> bytes | torch.Tensor:

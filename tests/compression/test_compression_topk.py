@@ -261,3 +261,63 @@ def test_logistic_regression_converges_to_dense_solution_at_one_percent():
     assert loss(w) - loss(w_star) < 1e-5
     w_no_ef = _train(x, y, grad, 1000, error_feedback=False)
     assert (w_no_ef - w_star).norm() / w_star.norm() > 0.3
+
+
+def two_scale_layout() -> tuple[ParamLayout, torch.Tensor]:
+    """A layout of a large-gradient tensor ``a`` (20k), a 1000x smaller-gradient tensor ``b`` (60k) and a
+    small dense tensor ``c``, and a vector on it."""
+    layout = ParamLayout.from_shapes([("a", (20_000,)), ("b", (300, 200)), ("c", (10,))], dense_min_numel=1024)
+    gen = torch.Generator().manual_seed(3)
+    flat = torch.cat([torch.randn(20_000, generator=gen), 1e-3 * torch.randn(60_000, generator=gen),
+                      torch.randn(10, generator=gen)])
+    return layout, flat
+
+
+def sent_per_tensor(layout: ParamLayout, out: torch.Tensor) -> dict[str, int]:
+    return {s.name: int((out[s.offset : s.offset + s.numel] != 0).sum()) for s in layout}
+
+
+def test_magnitude_ranking_starves_a_tensor_of_small_gradients():
+    layout, flat = two_scale_layout()
+    comp = TopKCompressor(value_dtype="fp32", layout=layout, dense_min_numel=1024, ranking="magnitude")
+    counts = sent_per_tensor(layout, decode(comp.compress(flat, 0.01)).to_dense())
+    assert counts == {"a": 800, "b": 0, "c": 10}
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_tensor_rms_ranking_gives_every_tensor_its_share_and_keeps_the_invariant(dtype):
+    layout, flat = two_scale_layout()
+    comp = TopKCompressor(value_dtype=dtype, layout=layout, dense_min_numel=1024, ranking="tensor_rms")
+    for _ in range(3):
+        before = comp.residual + flat if comp.residual is not None else flat.clone()
+        out = decode(comp.compress(flat, 0.01)).to_dense()
+        counts = sent_per_tensor(layout, out)
+        assert counts["c"] == 10 and counts["a"] + counts["b"] == 800
+        assert 150 <= counts["a"] <= 250 and 550 <= counts["b"] <= 650  # 1:3 like their sizes
+        assert torch.equal(out + comp.residual, before)
+
+
+def test_tensor_rms_ranking_of_a_single_tensor_is_the_magnitude_ranking():
+    gen = torch.Generator().manual_seed(4)
+    flat = heavy_tailed(50_000, gen)
+    layout = ParamLayout.from_shapes([("w", (50_000,))])
+    payloads = [TopKCompressor(layout=layout, ranking=r).compress(flat, 0.01) for r in ("magnitude", "tensor_rms")]
+    assert payloads[0] == payloads[1]
+
+
+def test_tensor_rms_ranking_on_the_sampled_path_keeps_the_count_and_the_invariant():
+    layout = ParamLayout.from_shapes([("a", (1 << 20,)), ("b", (1 << 20,))])
+    gen = torch.Generator().manual_seed(5)
+    flat = torch.cat([torch.randn(1 << 20, generator=gen), 1e-4 * torch.randn(1 << 20, generator=gen)])
+    comp = TopKCompressor(value_dtype="fp32", layout=layout, ranking="tensor_rms", exact_max_numel=1 << 16)
+    out = decode(comp.compress(flat, 0.001)).to_dense()
+    assert comp.last_stats.method == "sampled"
+    counts = sent_per_tensor(layout, out)
+    assert counts["a"] + counts["b"] == round(0.001 * (2 << 20))
+    assert min(counts.values()) > 0.4 * (counts["a"] + counts["b"])
+    assert torch.equal(out + comp.residual, flat)
+
+
+def test_unknown_ranking_is_refused():
+    with pytest.raises(ValueError, match="ranking must be 'magnitude' or 'tensor_rms'"):
+        TopKCompressor(ranking="largest")

@@ -147,3 +147,16 @@ def test_an_honest_huge_payload_is_refused_from_its_header():
         sum_into(CompressionConfig(value_dtype="fp16"), [huge], [1])
     assert tracemalloc.get_traced_memory()[1] < 1 << 20
     tracemalloc.stop()
+
+
+@pytest.mark.parametrize("ranking", ["magnitude", "tensor_rms"])
+def test_uplink_ranks_entries_as_configured(ranking):
+    """``dpgs.compression.ranking`` reaches the workers' top-k: with tensor_rms a tensor of 1000x smaller
+    gradients still sends its share; with magnitude it sends nothing."""
+    layout = ParamLayout.from_shapes([("big", (4000,)), ("small", (4000,))])
+    grad = torch.cat([torch.randn(4000), 1e-3 * torch.randn(4000)])
+    up = Uplink(CompressionConfig(ranking=ranking, dense_min_numel=0), layout)
+    sent = wire.decode(up.encode(grad, 0.05)).to_dense()
+    small_sent = int((sent[4000:] != 0).sum())
+    assert int((sent != 0).sum()) == 400
+    assert (small_sent > 100) if ranking == "tensor_rms" else (small_sent == 0)
