@@ -34,6 +34,9 @@ class Sent:
     selection_ms: float
 
 
+_TINY = torch.finfo(torch.float32).tiny
+
+
 def keep_count(keep_ratio: float, n: int) -> int:
     """k for a keep ratio: ``round(keep_ratio * n)``, at least 1 when ``keep_ratio > 0`` and ``n > 0``."""
     if keep_ratio <= 0 or n == 0:
@@ -63,12 +66,11 @@ def sparsify_(acc: torch.Tensor, k: int, *, ranges: np.ndarray, dense_pos: torch
     share of the k entries whatever the scale of its gradient (layer-wise keep ratios)."""
     n = acc.numel()
     check_finite(acc, magnitude, "accumulated vector (input + residual)")
-    if tensor_ranges is not None:
+    if tensor_ranges is not None:  # no host sync: an all-zero tensor stays zero after its division
         for offset, length in tensor_ranges:
             part = magnitude[offset : offset + length]
-            rms = float(torch.linalg.vector_norm(part)) / math.sqrt(length)
-            if rms > 0:
-                part.div_(rms)
+            rms = torch.linalg.vector_norm(part).div_(math.sqrt(length)).clamp_min_(_TINY)
+            part.div_(rms)
     for offset, length in ranges:
         magnitude[offset : offset + length] = -1.0  # never selected by top-k: sent dense below
     start = time.perf_counter()

@@ -321,3 +321,12 @@ def test_tensor_rms_ranking_on_the_sampled_path_keeps_the_count_and_the_invarian
 def test_unknown_ranking_is_refused():
     with pytest.raises(ValueError, match="ranking must be 'magnitude' or 'tensor_rms'"):
         TopKCompressor(ranking="largest")
+
+
+def test_tensor_rms_ranking_with_an_all_zero_tensor_sends_only_the_others():
+    layout = ParamLayout.from_shapes([("a", (5000,)), ("zero", (5000,))])
+    flat = torch.cat([torch.randn(5000, generator=torch.Generator().manual_seed(6)), torch.zeros(5000)])
+    comp = TopKCompressor(value_dtype="fp32", layout=layout, ranking="tensor_rms")
+    out = decode(comp.compress(flat, 0.02)).to_dense()
+    assert sent_per_tensor(layout, out) == {"a": 200, "zero": 0}
+    assert torch.equal(out + comp.residual, flat)
