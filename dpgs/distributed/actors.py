@@ -10,6 +10,7 @@ frees what its dead incarnation reserved with :func:`release_named`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,6 +89,24 @@ def get_all(refs: list, timeout_s: float, what: str, watch: GcsWatch | None = No
             continue
         ray.get(ready[0])
     return ray.get(list(refs))
+
+
+def prefetch(refs: list, timeout_s: float) -> None:
+    """Start bringing the objects of ``refs`` to this node, in a daemon thread, and return at once.
+
+    Ray moves an object to a node only when a process there gets it, or waits for it with ``fetch_local``:
+    an answer asked for ahead (a worker's state, asked while the driver validates) would otherwise still
+    cross the worker's link when it is finally got. The later ``ray.get`` finds it here. A failed or lost
+    object is left to that ``ray.get`` to report."""
+    if refs:
+        threading.Thread(target=_fetch, args=(list(refs), timeout_s), daemon=True).start()
+
+
+def _fetch(refs: list, timeout_s: float) -> None:
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=True)
+    except Exception:  # noqa: BLE001 - a prefetch only moves bytes early; the ray.get that follows reports
+        return
 
 
 class PlacedActors:

@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dpgs.config.schema import DpgsConfig
-from dpgs.distributed.actors import PlacedActors, get_all
+from dpgs.distributed.actors import PlacedActors, get_all, prefetch
 from dpgs.distributed.failures import (
     POLL_S,
     ClusterLost,
@@ -177,8 +177,9 @@ class RankGroup:
         :meth:`model_state`, :meth:`save_checkpoint` and :meth:`save_epoch` take them, until the group's
         state changes (steps, a new fold, a resynchronisation, a restore). One round trip less each, at
         every epoch's end."""
-        self.asked = AskedState(self.master.model_state.remote() if weights else None,
-                                self.workers.call("sync_state"))
+        states = self.workers.call("sync_state")
+        prefetch(states, self.timeout)  # across the workers' links now, not when the checkpoint is written
+        self.asked = AskedState(self.master.model_state.remote() if weights else None, states)
 
     @reports_ray_failures("fetching the weights from the master")
     def model_state(self) -> dict:
