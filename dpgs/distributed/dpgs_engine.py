@@ -24,7 +24,7 @@ from dpgs.distributed.assignment import assign_lpt, imbalance
 from dpgs.distributed.failures import MasterFailure, WorkerFailure
 from dpgs.distributed.flat import float_buffers
 from dpgs.distributed.fold import FoldStart
-from dpgs.distributed.link_probe import probe_sizes
+from dpgs.distributed.link_probe import LinkWatch, probe_sizes
 from dpgs.distributed.messages import ChunkPlan, StepPlan
 from dpgs.distributed.rank_group import ChunkReports, RankGroup
 from dpgs.distributed.schedule import MEASURING_STEPS, ByteModel, KeepSchedule, step_compute_seconds
@@ -118,6 +118,7 @@ class DpgsEngine:
         buffers = sum(b.numel() for b in float_buffers(setup.model))
         self.bytes = ByteModel.of(self.cfg.compression, layout, buffers, len(group.workers))
         self.compute_seconds: float | None = None  # a step's compute as last measured (keep_ratio=auto)
+        self.links = LinkWatch()  # the last probe of the links (keep_ratio=auto)
         sync = build_sync(setup.config, setup.model)
         self.replicas_exact = sync.exact_replicas
         fold = FoldStart(setup.output_dir.name, setup.model.state_dict(), setup.class_weights, sync)
@@ -227,20 +228,28 @@ class DpgsEngine:
             self.keep.costs.observe({last: measuring[-1].keep_ratio}, reports.workers, reports.master,
                                     exchange=len(measuring) > 1)
             todo = todo[len(measuring):]
+        probed, note = False, " (measured on its steps; the links were not probed)"
         if self.keep.dense_is_settled(self.compute_seconds):
             decision, link_figures = self.keep.keep_dense(self.compute_seconds), {}
         else:
-            link = self.group.probe_links(probe_sizes(4 * self.bytes.numel))
+            now = time.monotonic()
+            if self.links.due(now):
+                link = self.group.probe_links(probe_sizes(4 * self.bytes.numel))
+                self.links.record(link, now, time.monotonic() - now)
+                probed, note = True, ""
+            else:
+                note = (f" (the links' probe of {now - self.links.taken_at:.0f} s ago stands: it took "
+                        f"{self.links.cost_s:.2f} s)")
+            link = self.links.link
             decision, link_figures = self.keep.decide(link, self.compute_seconds, self.bytes), link.metrics()
         ratio = self.keep.ratio(epoch)
         print(
             f"[dpgs] epoch {epoch}: keep_ratio=auto chose {decision.ratio:g} (this epoch {ratio:g}): compute "
             f"{decision.compute_seconds:.3f} s/step, dense exchange {decision.dense_exchange_seconds:.3f} s, "
-            f"at {decision.ratio:g} {decision.exchange_seconds:.3f} s"
-            + ("" if link_figures else " (measured on its steps; the links were not probed)"),
+            f"at {decision.ratio:g} {decision.exchange_seconds:.3f} s" + note,
             flush=True,
         )
-        figures = {**decision.metrics(), **link_figures, "auto_links_probed": float(bool(link_figures))}
+        figures = {**decision.metrics(), **link_figures, "auto_links_probed": float(probed)}
         return [replace(p, keep_ratio=ratio) for p in todo], figures
 
     def _measured(self, reports: ChunkReports, steps: list[StepPlan]) -> None:

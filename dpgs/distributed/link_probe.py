@@ -25,6 +25,7 @@ from dpgs.distributed.transport import Channel
 SMALL_PROBE = 64 << 10
 LARGE_PROBE_MAX = 4 << 20
 REPEATS = 2
+PROBE_SHARE = 0.05  # re-probing the links takes at most this share of a run's wall time
 
 
 def probe_sizes(dense_bytes: int) -> tuple[int, int]:
@@ -89,3 +90,25 @@ def probe_as_worker(channel: Channel, sizes: tuple[int, ...]) -> None:
     """A worker's side: answer each probe with as many bytes as it received."""
     for _ in range(REPEATS * len(sizes)):
         channel.send_up(channel.recv_down())
+
+
+@dataclass
+class LinkWatch:
+    """The last probe of the links: what it measured, when (``time.monotonic``) and what it cost.
+
+    ``keep_ratio=auto`` re-decides every epoch; it probes the links again only when the time since the
+    last probe is at least ``cost / PROBE_SHARE``, so that probing takes at most ``PROBE_SHARE`` of the
+    run's wall time (a probe moves the dense gradient, up to 4 MiB, both ways to every worker: on a
+    slow link that is as long as a whole epoch of a small model). Until then the last probe stands; the
+    steps' own exchange times, measured every epoch, still move the choice."""
+
+    link: LinkProbe | None = None
+    taken_at: float = 0.0
+    cost_s: float = 0.0
+
+    def due(self, now: float) -> bool:
+        return self.link is None or (now - self.taken_at) * PROBE_SHARE >= self.cost_s
+
+    def record(self, link: LinkProbe, taken_at: float, cost_s: float) -> None:
+        self.link, self.taken_at, self.cost_s = link, taken_at, cost_s
+

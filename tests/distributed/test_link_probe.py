@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from dpgs.distributed.link_probe import probe_as_master, probe_as_worker
+from dpgs.distributed.link_probe import PROBE_SHARE, LinkProbe, LinkWatch, probe_as_master, probe_as_worker
 from dpgs.distributed.transport import EmulatedLink
 from tests.distributed.wire import Wire
 
@@ -26,3 +26,15 @@ def test_probe_measures_each_workers_emulated_link():
     assert rates[0] == pytest.approx(80.0, rel=0.3) and rates[1] == pytest.approx(20.0, rel=0.3)
     # the exchange of 1 MB each way waits for the slow worker: about 2 MB at 20 Mbit/s
     assert probe.exchange_seconds(1e6, 1e6) == pytest.approx(2e6 * 8 / 20e6, rel=0.3)
+
+
+def test_link_watch_reprobes_once_the_last_probe_is_a_small_share_of_the_time_since():
+    watch = LinkWatch()
+    assert watch.due(now=5.0)  # never probed
+    probe = LinkProbe((1, 2), ((0.1,), (0.2,)))
+    watch.record(probe, taken_at=10.0, cost_s=0.7)
+    assert watch.link is probe
+    assert not watch.due(now=10.0 + 0.7 / PROBE_SHARE - 0.1)  # 0.7 s of probing in 14 s is over 5 %
+    assert watch.due(now=10.0 + 0.7 / PROBE_SHARE)
+    watch.record(probe, taken_at=30.0, cost_s=0.001)  # a cheap probe (a fast link) is repeated every epoch
+    assert watch.due(now=30.1)
