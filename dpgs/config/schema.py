@@ -163,9 +163,9 @@ class CompressionConfig(Section):
         "share of a step's compute (1 when the dense exchange does)"
     )
     ranking: Literal["magnitude", "tensor_rms"] = Field(
-        "tensor_rms", description="which entries the workers' top-k keeps: tensor_rms: the largest |g| relative "
-        "to the RMS of their tensor (every tensor sends about its share); magnitude: the largest |g| of the "
-        "whole model (DMGC, DGC)"
+        "tensor_rms", description="which entries the workers' top-k keeps: tensor_rms: the largest |g| "
+        "relative to the RMS of their tensor (every tensor sends about its share); magnitude: the largest "
+        "|g| of the whole model (DMGC, DGC)"
     )
     value_dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
     clip_norm: float | None = Field(None, gt=0)

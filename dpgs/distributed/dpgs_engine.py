@@ -232,15 +232,9 @@ class DpgsEngine:
         if self.keep.dense_is_settled(self.compute_seconds):
             decision, link_figures = self.keep.keep_dense(self.compute_seconds), {}
         else:
-            now = time.monotonic()
-            if self.links.due(now):
-                link = self.group.probe_links(probe_sizes(4 * self.bytes.numel))
-                self.links.record(link, now, time.monotonic() - now)
-                probed, note = True, ""
-            else:
-                note = (f" (the links' probe of {now - self.links.taken_at:.0f} s ago stands: it took "
-                        f"{self.links.cost_s:.2f} s)")
-            link = self.links.link
+            sizes = probe_sizes(4 * self.bytes.numel)
+            link, probed = self.links.latest(lambda: self.group.probe_links(sizes))
+            note = "" if probed else f" ({self.links.standing()})"
             decision, link_figures = self.keep.decide(link, self.compute_seconds, self.bytes), link.metrics()
         ratio = self.keep.ratio(epoch)
         print(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,3 +113,16 @@ class LinkWatch:
     def record(self, link: LinkProbe, taken_at: float, cost_s: float) -> None:
         self.link, self.taken_at, self.cost_s = link, taken_at, cost_s
 
+    def latest(self, probe: Callable[[], LinkProbe]) -> tuple[LinkProbe, bool]:
+        """The links to decide on, and whether they were probed now: a new ``probe()`` when one is
+        :meth:`due`, else the last one."""
+        now = time.monotonic()
+        if not self.due(now):
+            return self.link, False
+        self.record(probe(), now, time.monotonic() - now)
+        return self.link, True
+
+    def standing(self) -> str:
+        """How old the last probe is and what it took, for a decision taken on it."""
+        age = time.monotonic() - self.taken_at
+        return f"the links' probe of {age:.0f} s ago stands: it took {self.cost_s:.2f} s"

@@ -266,7 +266,8 @@ def test_logistic_regression_converges_to_dense_solution_at_one_percent():
 def two_scale_layout() -> tuple[ParamLayout, torch.Tensor]:
     """A layout of a large-gradient tensor ``a`` (20k), a 1000x smaller-gradient tensor ``b`` (60k) and a
     small dense tensor ``c``, and a vector on it."""
-    layout = ParamLayout.from_shapes([("a", (20_000,)), ("b", (300, 200)), ("c", (10,))], dense_min_numel=1024)
+    shapes = [("a", (20_000,)), ("b", (300, 200)), ("c", (10,))]
+    layout = ParamLayout.from_shapes(shapes, dense_min_numel=1024)
     gen = torch.Generator().manual_seed(3)
     flat = torch.cat([torch.randn(20_000, generator=gen), 1e-3 * torch.randn(60_000, generator=gen),
                       torch.randn(10, generator=gen)])
@@ -301,7 +302,8 @@ def test_tensor_rms_ranking_of_a_single_tensor_is_the_magnitude_ranking():
     gen = torch.Generator().manual_seed(4)
     flat = heavy_tailed(50_000, gen)
     layout = ParamLayout.from_shapes([("w", (50_000,))])
-    payloads = [TopKCompressor(layout=layout, ranking=r).compress(flat, 0.01) for r in ("magnitude", "tensor_rms")]
+    payloads = [TopKCompressor(layout=layout, ranking=r).compress(flat, 0.01)
+                for r in ("magnitude", "tensor_rms")]
     assert payloads[0] == payloads[1]
 
 
