@@ -156,7 +156,8 @@ class CompressionConfig(Section):
         "measured link and compute (dpgs.distributed.schedule)"
     )
     auto_ratios: tuple[Annotated[float, Field(gt=0, le=1)], ...] = Field(
-        (1.0, 0.3, 0.1, 0.01, 0.001), min_length=1, description="keep_ratio=auto chooses among these"
+        (1.0, 0.3, 0.1, 0.01), min_length=1, description="keep_ratio=auto chooses among these (0.001 learns "
+        "a tile encoder too slowly in short runs: docs/dpgs.md)"
     )
     auto_share: float = Field(
         0.1, gt=0, lt=1, description="keep_ratio=auto: the largest ratio whose exchange costs at most this "

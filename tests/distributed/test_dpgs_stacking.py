@@ -39,6 +39,12 @@ def bags(tmp_path_factory):
     return write_bags(root, LENGTHS)
 
 
+@pytest.fixture(scope="module")
+def long_bags(tmp_path_factory):
+    """Nine training bags of 20 000 instances (then two validation and one test bag of 200)."""
+    return write_bags(tmp_path_factory.mktemp("long-bags"), [20_000] * 9 + [200] * 3)
+
+
 def start(config, data):
     spec = ModelSpec(config.model, data.dataset.feature_dim, len(data.manifest.classes))
     torch.manual_seed(config.seed)
@@ -435,14 +441,16 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
 
 
 @pytest.mark.parametrize("mbps,compressed", [(None, False), (0.5, True)], ids=["loopback", "0.5mbps"])
-def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, bags, tmp_path, mbps, compressed):
+def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, long_bags, tmp_path, mbps, compressed):
     """keep_ratio=auto: on loopback the dense exchange costs next to nothing: dense; behind 0.5 Mbit/s
     links (emulated in the workers) the dense exchange costs far more than the compute: compressed. Every
     epoch logs the choice with its figures, and the run ends at the same step count either way.
-    ``auto_share=0.5``: this model's step computes for a few ms, so at the default 10 % a loopback
-    exchange of a few hundred µs, slowed once by a busy core, tipped the choice (1 run in 3 on a faster
-    machine, 2026-11-27); 0.5 Mbit/s costs hundreds of times the compute either way."""
-    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+    Bags of 20 000 instances (a whole slide's tiles at 20x), one per worker a step: ~0.4 s of compute
+    against a loopback exchange of a few ms to a few tens of ms on a loaded machine. With the short bags
+    of the other tests a step computed for a few ms, and a loopback exchange slowed by a busy core tipped
+    the choice (2 runs in about 30 under load, 2026-11-27). ``auto_share=0.5`` leaves room for a loaded
+    CI machine on top; 0.5 Mbit/s costs tens of times the compute either way."""
+    config = make_config(*long_bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
                          "dpgs.compression.keep_ratio=auto", "dpgs.compression.warmup_epochs=0",
                          "dpgs.compression.auto_share=0.5",
                          f"dpgs.emulate_bandwidth_mbps={mbps or 'null'}")
