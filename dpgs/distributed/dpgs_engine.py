@@ -214,14 +214,14 @@ class DpgsEngine:
     # ------------------------------------------------------------------ keep_ratio=auto
     def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
                            reports: ChunkReports) -> tuple[list[StepPlan], dict]:
-        """Without a compute measurement yet, run the first ``MEASURING_STEPS`` steps at what the cheapest
-        ratio runs this epoch (``KeepSchedule.measuring_ratio``) and measure the last of them: its compute,
-        codec and what it spent beyond its compute (the first step holds one-off costs: buffers and
-        residuals allocated, the first forward's warm-up); probe the links unless no probe could change a
-        dense choice; decide the epoch's ratio. Returns the steps left and the figures."""
+        """Without a compute measurement yet, run the first ``MEASURING_STEPS`` steps at the epoch's planned
+        ratio (before auto's first decision: what its cheapest ratio runs this epoch, ``KeepSchedule``) and
+        measure the last of them: its compute, codec and what it spent beyond its compute (the first step
+        holds one-off costs: buffers and residuals allocated, the first forward's warm-up); probe the links
+        unless no probe could change a dense choice; decide the epoch's ratio. Returns the steps left and
+        the figures."""
         if self.compute_seconds is None:
-            first = self.keep.measuring_ratio(epoch)
-            measuring = [replace(p, keep_ratio=first) for p in todo[:MEASURING_STEPS]]
+            measuring = todo[:MEASURING_STEPS]
             for chunk in self._chunks(measuring):
                 self._run_chunk(chunk, plans, epoch, history, reports)
             last = measuring[-1].index

@@ -197,16 +197,13 @@ class KeepSchedule:
     def __init__(self, cfg: CompressionConfig):
         self.cfg = cfg
         self.auto = cfg.keep_ratio == "auto"
+        # auto, until its first decision: the cheapest ratio, so the steps that measure the compute run at
+        # what that ratio runs in their epoch (with the warm-up, 25 % in the first), as a fixed ratio does:
+        # a compressed choice is on the fixed ratio's path from its first step (measured on the tile
+        # encoder: two first steps at 0.1 % before a 25 % warm-up epoch sent the run elsewhere, and it
+        # stayed at chance where fixed 1 % learned). After a resume: the ratio the checkpoint ran.
         self.steady = min(cfg.auto_ratios) if self.auto else float(cfg.keep_ratio)
         self.costs = StepCosts()
-
-    def measuring_ratio(self, epoch: int) -> float:
-        """The keep ratio of the steps that measure compute before auto's first decision in ``epoch``: what
-        the cheapest of ``auto_ratios`` runs in that epoch (its warm-up ratio, :meth:`ratio`). A compressed
-        choice then runs its first epoch at that ratio from its first step, on the path a fixed ratio takes
-        (measured on the tile encoder: two first steps at 0.1 % before a 25 % warm-up epoch sent the run
-        elsewhere, and it stayed at chance where fixed 1 % learned)."""
-        return self._warmed(min(self.cfg.auto_ratios), epoch)
 
     def dense_is_settled(self, compute_seconds: float) -> bool:
         """Whether no probe of the links could change a dense choice: the run is dense, its dense steps were
@@ -248,12 +245,8 @@ class KeepSchedule:
         return KeepDecision(self.steady, compute_seconds, seconds[1.0], seconds[self.steady])
 
     def ratio(self, epoch: int) -> float:
-        """Keep ratio of the steps of ``epoch`` (1-based): the steady one, or its warm-up."""
-        return self._warmed(self.steady, epoch)
-
-    def _warmed(self, steady: float, epoch: int) -> float:
-        """What ``steady`` runs in ``epoch`` (1-based): dense stays dense, a compressed ratio follows the
-        warm-up for the first ``warmup_epochs``."""
-        if steady >= 1.0 or not self.cfg.warmup_epochs:
-            return steady
-        return KeepRatioSchedule.exponential(steady, epochs=self.cfg.warmup_epochs).ratio(epoch - 1)
+        """Keep ratio of the steps of ``epoch`` (1-based): the steady one, or its warm-up (dense stays dense,
+        a compressed ratio follows the warm-up for the first ``warmup_epochs``)."""
+        if self.steady >= 1.0 or not self.cfg.warmup_epochs:
+            return self.steady
+        return KeepRatioSchedule.exponential(self.steady, epochs=self.cfg.warmup_epochs).ratio(epoch - 1)

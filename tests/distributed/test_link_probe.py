@@ -7,7 +7,14 @@ import threading
 
 import pytest
 
-from dpgs.distributed.link_probe import PROBE_SHARE, LinkProbe, LinkWatch, probe_as_master, probe_as_worker
+from dpgs.distributed.link_probe import (
+    PROBE_SHARE,
+    LinkProbe,
+    LinkWatch,
+    probe_as_master,
+    probe_as_worker,
+    probe_sizes,
+)
 from dpgs.distributed.transport import EmulatedLink
 from tests.distributed.wire import Wire
 
@@ -26,6 +33,14 @@ def test_probe_measures_each_workers_emulated_link():
     assert rates[0] == pytest.approx(80.0, rel=0.3) and rates[1] == pytest.approx(20.0, rel=0.3)
     # the exchange of 1 MB each way waits for the slow worker: about 2 MB at 20 Mbit/s
     assert probe.exchange_seconds(1e6, 1e6) == pytest.approx(2e6 * 8 / 20e6, rel=0.3)
+
+
+def test_probe_sizes_a_small_and_at_most_a_mebibyte():
+    """64 KiB and the dense message, at most 1 MiB (a ResNet-18's 47 MB would take 2.8 s a probe at
+    100 Mbit/s at 4 MiB) and at least 4x the small one (a tiny model's)."""
+    assert probe_sizes(47_000_000) == (64 << 10, 1 << 20)
+    assert probe_sizes(535_000) == (64 << 10, 535_000)
+    assert probe_sizes(10_000) == (64 << 10, 256 << 10)
 
 
 def test_link_watch_reprobes_once_the_last_probe_is_a_small_share_of_the_time_since():

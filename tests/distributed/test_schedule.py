@@ -99,11 +99,11 @@ def test_auto_measures_on_the_path_its_cheapest_ratio_takes():
     too slowly: docs/dpgs.md)."""
     assert min(CompressionConfig().auto_ratios) == 0.01
     warm = KeepSchedule(CompressionConfig(keep_ratio="auto", warmup_epochs=2))
-    assert [warm.measuring_ratio(e) for e in (1, 2, 3)] == [0.25, 0.0625, 0.01]
+    assert [warm.ratio(e) for e in (1, 2, 3)] == [0.25, 0.0625, 0.01]  # before any decision
     fixed = KeepSchedule(CompressionConfig(keep_ratio=0.01, warmup_epochs=2))
-    assert [warm.measuring_ratio(e) for e in (1, 2, 3)] == [fixed.ratio(e) for e in (1, 2, 3)]
+    assert [warm.ratio(e) for e in (1, 2, 3)] == [fixed.ratio(e) for e in (1, 2, 3)]
     cold = KeepSchedule(CompressionConfig(keep_ratio="auto", warmup_epochs=0, auto_ratios=(1.0, 0.001)))
-    assert cold.measuring_ratio(1) == 0.001
+    assert cold.ratio(1) == 0.001
 
 
 def test_measured_only_at_the_warm_up_ratio_auto_neither_explores_nor_stays_dense_wrongly():
