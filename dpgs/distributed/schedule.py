@@ -35,7 +35,7 @@ from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.messages import MasterStep, WorkerStep
 
-MEASURING_STEPS = 2  # steps at the cheapest ratio before auto's first decision; the last one is measured
+MEASURING_STEPS = 2  # steps before auto's first decision, at the epoch's planned ratio; the last is measured
 HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
 INDEX_BYTES = 1.0  # bytes per sent entry for its index after zstd (gaps of top-k at <= 10 %; measured ~0.7)
 CODEC_GROWTH = 40.0  # codec seconds at keep k ~ 1 + 40 k: ResNet-18's gradient (benchmarks/compression.py),
@@ -165,7 +165,7 @@ class StepCosts:
         run = [k for k in self.codec if k < 1.0]  # observe() measures a ratio's codec with its exchange
         if keep >= 1.0 or not run:
             return 0.0
-        keep = max(keep, min(run))
+        keep = self._charged_as(keep)
         n = min(run, key=lambda k: abs(math.log(k / keep)))
         base = max(self.exchange[n] - link_seconds(n), 0.0) if n in self.exchange else self.codec[n]
         growth = self.codec[n] * CODEC_GROWTH * (keep - n) / (1.0 + CODEC_GROWTH * n)
@@ -173,14 +173,17 @@ class StepCosts:
 
     def codec_floor(self, keep: float) -> float:
         """The codec seconds auto charges at least at ``keep``: the cost of the largest ratio measured at or
-        below it of the same kind, compressed or dense (the codec costs no less at a larger ratio); for a
-        compressed ratio below every compressed ratio run, the smallest one's (not assumed cheaper until
-        it runs: :meth:`overhead_at`); else 0."""
-        same_kind = [k for k in self.codec if (k < 1.0) == (keep < 1.0)]
-        below = [k for k in same_kind if k <= keep]
-        if below:
-            return self.codec[max(below)]
-        return self.codec[min(same_kind)] if same_kind and keep < 1.0 else 0.0
+        below the ratio ``keep`` is charged as (:meth:`_charged_as`) of the same kind, compressed or dense
+        (the codec costs no less at a larger ratio), else 0."""
+        keep = self._charged_as(keep)
+        below = [k for k in self.codec if k <= keep and (k < 1.0) == (keep < 1.0)]
+        return self.codec[max(below)] if below else 0.0
+
+    def _charged_as(self, keep: float) -> float:
+        """The ratio a step at ``keep`` is charged as: a compressed ratio below every compressed ratio run
+        is not assumed cheaper than the smallest of them until it runs (:meth:`overhead_at`)."""
+        run = [k for k in self.codec if k < 1.0]
+        return max(keep, min(run)) if keep < 1.0 and run else keep
 
 
 def step_compute_seconds(reports: list[WorkerStep]) -> float:
@@ -207,9 +210,9 @@ class KeepSchedule:
 
     def dense_is_settled(self, compute_seconds: float) -> bool:
         """Whether no probe of the links could change a dense choice: the run is dense, its dense steps were
-        measured, and either they fit the budget or every compressed ratio's codec time alone (a lower
-        bound of its exchange, :meth:`StepCosts.codec_floor`) fits neither the budget nor within 10 % of
-        dense's measured exchange."""
+        measured, and either they fit the budget or every compressed ratio's codec time alone (the least
+        auto charges for its exchange, :meth:`StepCosts.codec_floor`) fits neither the budget nor within
+        10 % of dense's measured exchange."""
         dense = self.costs.exchange.get(1.0)
         if not self.auto or self.steady < 1.0 or dense is None:
             return False
