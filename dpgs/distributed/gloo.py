@@ -133,11 +133,17 @@ class GlooChannel:
 
     def send_down(self, body: torch.Tensor) -> None:
         """Every live worker gets ``body`` even when another worker's connection failed."""
-        size = torch.tensor([body.numel()], dtype=torch.int64)
+        self.send_each([body] * (self.world - 1))
+
+    def send_each(self, bodies: list[torch.Tensor]) -> None:
+        """Every live worker ``w`` gets ``bodies[w]`` even when another worker's connection failed."""
+        if len(bodies) != self.world - 1:
+            raise ValueError(f"{len(bodies)} messages for {self.world - 1} workers")
         works = []
-        for r in range(1, self.world):
+        for r, body in zip(range(1, self.world), bodies, strict=True):
             if r in self.dead:
                 continue
+            size = torch.tensor([body.numel()], dtype=torch.int64)
             works.append((r, self._group.send([size], r, _SIZE_TAG)))
             if body.numel():
                 works.append((r, self._group.send([body], r, _BODY_TAG)))

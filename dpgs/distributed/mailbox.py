@@ -3,7 +3,8 @@
 Used where the ranks cannot form a gloo group (``dpgs.transport=ray``, or ``auto`` when forming one
 fails). Each rank numbers its operations; because every rank performs the same operations in the same
 order, operation ``seq`` of generation ``g`` names the same exchange on every rank. A value is posted
-under ``(g, seq, src, dst)`` (``dst = -1``: for every worker) and removed once all its readers took it.
+under ``(g, seq, src, dst)`` and removed once its readers took it (a message down is posted for each
+worker under its own rank).
 The driver aborts a generation when a rank dies, which wakes every waiting rank with ChannelBroken.
 """
 
@@ -17,8 +18,6 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dpgs.distributed.transport import MASTER_RANK, ChannelBroken
-
-EVERY_WORKER = -1
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -112,11 +111,18 @@ class MailboxChannel:
             raise ChannelBroken(f"rank {self.rank}: {err.cause if err.cause else err}") from err
 
     def send_down(self, body: torch.Tensor) -> None:
-        if self.world > 1:
-            self._post(self._next(), EVERY_WORKER, body, self.world - 1)
+        self.send_each([body] * (self.world - 1))
+
+    def send_each(self, bodies: list[torch.Tensor]) -> None:
+        """Each worker's message is posted under its own rank (each worker pulls only its own)."""
+        if len(bodies) != self.world - 1:
+            raise ValueError(f"{len(bodies)} messages for {self.world - 1} workers")
+        seq = self._next()
+        for rank, body in enumerate(bodies, start=1):
+            self._post(seq, rank, body, 1)
 
     def recv_down(self) -> torch.Tensor:
-        body = self._take(self._next(), MASTER_RANK, EVERY_WORKER)
+        body = self._take(self._next(), MASTER_RANK, self.rank)
         if body is None:
             raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
         return body
@@ -126,8 +132,8 @@ class MailboxChannel:
         (None); the driver also aborts the whole generation when a rank dies."""
         seq = self.seq + (2 if drain else 1)  # drain: the workers first send up (seq + 1), then receive
         self.seq = seq
-        if self.world > 1:
-            self._post(seq, EVERY_WORKER, None, self.world - 1)
+        for rank in range(1, self.world):
+            self._post(seq, rank, None, 1)
 
     def close(self) -> None:
         """Nothing to release: the mailbox belongs to the pool."""

@@ -47,8 +47,9 @@ class ByteModel:
     """Bytes a worker moves per step at a keep ratio: up its message, down the master's.
 
     ``numel`` trainable parameters of which ``dense_numel`` are always sent dense, ``buffers`` floating-
-    point buffer values, ``value_bytes`` per sent value, ``workers`` P, ``relay``: the master relays every
-    worker's payload (``downlink=gradients``; the dense sum when that is smaller) rather than one delta.
+    point buffer values, ``value_bytes`` per sent value, ``workers`` P, ``relay``: the master relays each
+    worker the other P - 1 payloads (``downlink=gradients``; the dense sum when that is smaller) rather
+    than one delta.
     ``entry_bytes`` (value + index) is the assumption until a compressed step measured it.
     """
 
@@ -79,7 +80,7 @@ class ByteModel:
         """(up, down) bytes of one worker in a step at ``keep``."""
         up = self.payload(keep) + 8 * self.buffers
         dense = 4.0 * self.numel
-        down = (min(self.workers * self.payload(keep), dense) if self.relay else self.payload(keep))
+        down = (min((self.workers - 1) * self.payload(keep), dense) if self.relay else self.payload(keep))
         return up, down + 4 * self.buffers + HEADER_BYTES
 
     def calibrated(self, keep: float, payload_bytes: float) -> ByteModel:

@@ -3,7 +3,8 @@ contract and its one error, :class:`ChannelBroken`.
 
 A step is one round trip through the master: every worker sends one message up (:meth:`Channel.send_up`,
 received by the master's :meth:`Channel.gather_up`), the master sends one message down to every worker
-(:meth:`Channel.send_down` / :meth:`Channel.recv_down`). Messages are 1-D ``uint8`` tensors (a float
+(:meth:`Channel.send_down`, or :meth:`Channel.send_each` where each worker gets its own; both received by
+:meth:`Channel.recv_down`). Messages are 1-D ``uint8`` tensors (a float
 tensor travels as ``as_bytes(t)``, without a copy). Two transports implement the contract:
 ``dpgs.distributed.gloo`` (point-to-point sends of a ``torch.distributed`` gloo group formed inside the
 Ray actors) and ``dpgs.distributed.mailbox`` (object references through a small Ray actor, where the
@@ -31,6 +32,13 @@ def worker_rank(worker: int) -> int:
     return worker + 1
 
 
+def worker_of(rank: int) -> int:
+    """The worker (0-based) of group rank ``rank`` >= 1 (the inverse of :func:`worker_rank`)."""
+    if rank < 1:
+        raise ValueError(f"rank {rank} is the master's, not a worker's")
+    return rank - 1
+
+
 class ChannelBroken(RuntimeError):
     """An exchange could not complete (a peer died or hung, or the master aborted the step)."""
 
@@ -48,6 +56,9 @@ class Channel(Protocol):
 
     def send_down(self, body: torch.Tensor) -> None:
         """Master: send ``body`` to every worker."""
+
+    def send_each(self, bodies: list[torch.Tensor]) -> None:
+        """Master: send ``bodies[w]`` to worker ``w`` (one message per worker, as :meth:`send_down`)."""
 
     def recv_down(self) -> torch.Tensor:
         """Worker: the master's message (ChannelBroken when the master aborted the exchange)."""
@@ -89,6 +100,9 @@ class EmulatedLink:
 
     def send_down(self, body: torch.Tensor) -> None:
         self.channel.send_down(body)
+
+    def send_each(self, bodies: list[torch.Tensor]) -> None:
+        self.channel.send_each(bodies)
 
     def recv_down(self) -> torch.Tensor:
         body = self.channel.recv_down()

@@ -53,8 +53,8 @@ def test_bytes_per_worker_at_each_keep_ratio():
     assert bytes_.per_worker(1.0) == (4e6, 4e6 + HEADER_BYTES)  # raw up, the dense sum down
     up, down = bytes_.per_worker(0.01)
     assert up == HEADER_BYTES + 3.0 * 10_000  # fp16 value + 1 byte of index per sent entry
-    assert down == 4 * up + HEADER_BYTES  # the four payloads relayed
-    assert bytes_.per_worker(0.5)[1] == 4e6 + HEADER_BYTES  # four payloads would be larger: the dense sum
+    assert down == 3 * up + HEADER_BYTES  # the three other workers' payloads relayed
+    assert bytes_.per_worker(0.5)[1] == 4e6 + HEADER_BYTES  # three payloads would be larger: the dense sum
     delta = model(1_000_000, workers=4, downlink="delta", dense_min_numel=0)
     assert delta.per_worker(0.01)[1] == delta.payload(0.01) + HEADER_BYTES  # one delta down
     assert bytes_.calibrated(0.01, HEADER_BYTES + 2.2 * 10_000).payload(0.01) == pytest.approx(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dpgs.config import load_config
+from dpgs.distributed.frames import HEADER as FRAME_HEADER
 from dpgs.distributed.messages import StepPlan
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import build_sync
@@ -114,6 +115,20 @@ def test_relayed_compressed_steps_keep_every_replica_identical_to_the_master():
         for a, b in zip(r.optimizer.state.values(), master.optimizer.state.values(), strict=True):
             assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     assert wire.bytes_up < 2 * 5 * 4 * master.numel  # compressed most of the time
+
+
+def test_each_worker_is_relayed_only_the_other_workers_payloads():
+    """P = 3, compressed: worker w's frame holds the two other payloads (it kept its own), so the master
+    sends (P - 1) x the payloads plus each frame's header, part sizes and buffers; and every replica still
+    takes the master's step exactly."""
+    config, model = model_and_config("dpgs.compression.downlink=gradients", "dpgs.workers=3")
+    master, replicas, wire = run(config, model, [0.05, 0.01, 0.05], workers=3)
+    buffers = master.n_buffers
+    payloads = wire.bytes_up - 3 * 3 * 8 * buffers  # 3 steps x 3 workers, float64 buffers up
+    frames = 3 * 3 * (FRAME_HEADER.size + 8 * 3 + 4 * buffers)  # 2 payload parts + the buffers part each
+    assert wire.bytes_down == 2 * payloads + frames
+    for r in replicas:
+        assert torch.equal(r.flat_params(), master.flat_params()) and r.version == 3
 
 
 def test_keep_ratio_changes_mid_run_lose_nothing_with_sgd():

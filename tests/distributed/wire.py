@@ -29,8 +29,12 @@ class Wire:
                 return bodies
 
             def send_down(self, body):
-                wire.bytes_down += body.numel() * len(wire.down)
-                for q in wire.down:
+                self.send_each([body] * len(wire.down))
+
+            def send_each(self, bodies):
+                assert len(bodies) == len(wire.down)
+                for q, body in zip(wire.down, bodies, strict=True):
+                    wire.bytes_down += body.numel()
                     q.put(body.clone())
 
         return Master()

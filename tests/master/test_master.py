@@ -38,6 +38,9 @@ class ScriptedChannel:
     def send_down(self, body):
         self._maybe_fail("send_down")
 
+    def send_each(self, bodies):
+        self._maybe_fail("send_down")  # the message down, each worker's own
+
     def abort(self, drain: bool):
         self.calls.append(f"abort(drain={drain})")
 

@@ -60,6 +60,10 @@ class OneMasterChannel:
     def send_down(self, body):
         self.down.append(body)
 
+    def send_each(self, bodies):
+        (body,) = bodies  # one worker
+        self.down.append(body)
+
     # worker side
     def send_up(self, body):
         self.up.append(body.clone())

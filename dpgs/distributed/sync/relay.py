@@ -1,9 +1,10 @@
 """``downlink=gradients`` (the default): every rank takes the master's optimizer step itself.
 
 Workers send their gradient sums (raw float32 at keep ratio 1, top-k payloads below). The master sends
-every worker one frame (``dpgs.distributed.frames``) holding either the P payloads themselves
-(``KIND_GRADIENTS``, when they are smaller than the dense sum) or the dense sum of the workers' gradients
-(``KIND_SUM``), with the clip factor and the merged buffers. Every rank then forms the same sum in worker
+every worker one frame (``dpgs.distributed.frames``) holding either the other P - 1 workers' payloads
+(``KIND_GRADIENTS``, when they are smaller than the dense sum; a worker's own payload is not sent back to
+it, it kept it) or the dense sum of the workers' gradients (``KIND_SUM``), with the clip factor and the
+merged buffers. Every rank then forms the same sum in worker
 order, divides by the step's bag count B and takes the same optimizer step
 (``dpgs.train.optim.optimizer_step``; the same thread count on every rank keeps it bit for bit), so the
 workers hold exactly the master's weights and optimizer state after every step, compressed or not.
@@ -33,7 +34,7 @@ from dpgs.distributed.frames import (
 from dpgs.distributed.messages import MasterStep, StepPlan
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up
-from dpgs.distributed.transport import Channel, ChannelBroken
+from dpgs.distributed.transport import Channel, ChannelBroken, worker_of
 from dpgs.train.optim import clip_coefficient
 
 
@@ -65,13 +66,14 @@ class RelaySync:
         channel.send_up(part.body)
         data = channel.recv_down()
         received = time.perf_counter()
-        frame = decode_frame(data, parts_of={KIND_GRADIENTS: len(step.bags) + 1, KIND_SUM: 2},
+        frame = decode_frame(data, parts_of={KIND_GRADIENTS: len(step.bags), KIND_SUM: 2},
                              version=step.index + 1)
         if frame.kind == KIND_SUM:
             total = frame.floats(0, replica.numel, "gradient sum")
         else:
-            total = self.uplink.sum_into(torch.zeros(replica.numel), frame.parts[:-1], step.counts(),
-                                         step.keep_ratio)
+            me = worker_of(channel.rank)  # its own payload is not in the frame: it kept it
+            payloads = [*frame.parts[:me], part.body[: part.payload_bytes], *frame.parts[me:-1]]
+            total = self.uplink.sum_into(torch.zeros(replica.numel), payloads, step.counts(), step.keep_ratio)
         replica.step(total / step.n_bags, step.lr, frame.clip)
         replica.load_buffers(frame.buffers(replica.n_buffers))
         replica.version = step.index + 1
@@ -83,22 +85,29 @@ class RelaySync:
         grads, buffers = split_up(channel.gather_up(), replica)
         merged = None if buffers is None else buffers / step.n_bags
         waited = time.perf_counter()
-        relay = step.keep_ratio < 1.0 and sum(g.numel() for g in grads) < 4 * replica.numel
+        sizes = [g.numel() for g in grads]
+        relay = step.keep_ratio < 1.0 and sum(sizes) - min(sizes) < 4 * replica.numel
         broken: list[ChannelBroken] = []
         sending, down = 0.0, 0
 
         def send(kind: int, clip: float, parts: list[torch.Tensor]) -> int:
-            """Send the frame; a failure is raised only once the master has taken the step too (the live
-            workers take it whatever happens to another one)."""
+            """Send the frame (``KIND_GRADIENTS``: each worker's without its own payload); a failure is
+            raised only once the master has taken the step too (the live workers take it whatever happens
+            to another one). Returns the bytes of the largest frame."""
             nonlocal sending
             begun = time.perf_counter()
-            frame = encode_frame(kind, step.index + 1, clip, [*parts, buffers_part(merged)])
+            tail = buffers_part(merged)
+            if kind == KIND_GRADIENTS:
+                frames = [encode_frame(kind, step.index + 1, clip, [*parts[:w], *parts[w + 1 :], tail])
+                          for w in range(len(parts))]
+            else:
+                frames = [encode_frame(kind, step.index + 1, clip, [*parts, tail])]
             try:
-                channel.send_down(frame)
+                channel.send_each(frames) if kind == KIND_GRADIENTS else channel.send_down(frames[0])
             except ChannelBroken as err:
                 broken.append(err)
             sending += time.perf_counter() - begun
-            return frame.numel()
+            return max(f.numel() for f in frames)
 
         # Without clipping the frame does not wait for the mean gradient and its norm: the payloads go
         # before the master decodes them, the dense sum as soon as it is formed (the workers decode and step
