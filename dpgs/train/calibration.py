@@ -18,7 +18,9 @@ the moving average or with statistics recomputed on 8-60 training bags, against 
    variance, computed by the layer itself; the variance is multiplied by ``(N - 1) / N`` (``N`` values per
    channel, counted by a forward hook) to the biased variance training-mode BatchNorm normalises with;
 2. inside the ``with`` block those are the layers' running statistics, so eval-mode chunks of any size
-   are normalised as one training-mode pass over ``tiles`` normalises them;
+   are normalised as one training-mode pass over ``tiles`` normalises them; the block is given that pass's
+   output, the embeddings of ``tiles`` (``[n, D]``, float32), so a bag whose scored tiles are ``tiles``
+   needs no second encoder pass;
 3. on leaving, the layers' own buffers and momentum are restored.
 
 When ``tiles`` are all the scored tiles, the embeddings equal those of one training-mode pass over the bag
@@ -64,12 +66,14 @@ def statistics_subset(indices: np.ndarray, limit: int) -> np.ndarray:
 
 
 @contextmanager
-def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[None]:
+def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[torch.Tensor | None]:
     """Within the block, the encoder's trained BatchNorm layers normalise with the statistics of ``tiles``
-    (one bag's tiles, [n, 3, s, s]); see the module docstring."""
+    (one bag's tiles, [n, 3, s, s]); the block gets the embeddings of ``tiles`` with those statistics (the
+    statistics pass's output), or None where there are none (no trained BatchNorm, or a bag without
+    statistics: then the running ones normalise). See the module docstring."""
     layers = trained_batchnorms(model)
     if not layers:
-        yield
+        yield None
         return
     encoder = model.encoder
     counts: dict[_BatchNorm, int] = {}
@@ -91,10 +95,10 @@ def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[None]:
             encoder.train()
             with torch.no_grad(), torch.autocast(encoder.device.type, dtype=torch.bfloat16,
                                                  enabled=model.amp):
-                encoder(tiles)
+                embedded = encoder(tiles).float()
             measured = True
         except _NoBagStatistics:
-            measured = False
+            embedded, measured = None, False
         finally:
             for h in hooks:
                 h.remove()
@@ -107,7 +111,7 @@ def bag_statistics(model: TileMIL, tiles: torch.Tensor) -> Iterator[None]:
                 else:  # no statistics for this bag: the running ones
                     m.running_mean.copy_(mean)
                     m.running_var.copy_(var)
-        yield
+        yield embedded
     finally:
         with torch.no_grad():
             for m, (mean, var, tracked, momentum) in zip(layers, saved, strict=True):

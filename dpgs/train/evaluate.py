@@ -18,9 +18,10 @@ embedded), only the embeddings [n, D] are kept, and the head then scores the bag
 float32 bag is ever held whole, and the sampled protocol reads only the K tiles of each repeat.
 BatchNorm layers normalise every chunk with fixed statistics, so the chunked score equals a one-pass
 score (to float rounding): a trained encoder's with *the bag's own* statistics, as training normalised
-it (:func:`dpgs.train.calibration.bag_statistics`: from the scored tiles when they fit in one chunk, else
-from ``embed_chunk`` of them evenly spread; one training-mode pass over the bag gives the same score when
-they are all its tiles), a frozen encoder's with its running statistics. The per-bag loss is the head's
+it (:func:`dpgs.train.calibration.bag_statistics`: from the scored tiles when they fit in one chunk, whose
+statistics pass then gives the embeddings too, one encoder pass in all; else from ``embed_chunk`` of them
+evenly spread; one training-mode pass over the bag gives the same score when they are all its tiles), a
+frozen encoder's with its running statistics. The per-bag loss is the head's
 unweighted loss.
 
 **Shards.** ``score_bags`` may run on any process for any subset of bag indices; its
@@ -257,10 +258,10 @@ def _embeddings(tile_model: TileMIL | None, stream: InstanceStream, indices: np.
         whole = len(indices) == len(stream)  # sorted distinct indices of every instance: read in place
         return stream.read(None if whole else indices).to(device)
     chunk = tile_model.embed_chunk
-    if len(indices) <= chunk:  # one read: the bag's statistics and its embeddings from the same tiles
+    if len(indices) <= chunk:  # one read and one encoder pass: the statistics pass embeds the tiles
         tiles = stream.read(indices)
-        with bag_statistics(tile_model, tiles) if bag_bn else contextlib.nullcontext():
-            return tile_model.embed(tiles)
+        with bag_statistics(tile_model, tiles) if bag_bn else contextlib.nullcontext() as embedded:
+            return tile_model.embed(tiles) if embedded is None else embedded
     pieces = [indices[s : s + chunk] for s in range(0, len(indices), chunk)]
     with bag_statistics(tile_model, stream.read(statistics_subset(indices, chunk))) if bag_bn \
             else contextlib.nullcontext():

@@ -52,6 +52,23 @@ def test_eval_chunks_inside_the_block_equal_one_training_mode_pass(big_stages):
     assert not model.training and not model.encoder.training
 
 
+@pytest.mark.parametrize("big_stages", [-1, 1])
+def test_the_block_is_given_the_statistics_pass_embeddings(big_stages):
+    """What ``bag_statistics`` yields is the training-mode pass over ``tiles``: the same embeddings as
+    eval-mode chunks inside the block (so one pass serves a bag that fits a chunk), running statistics
+    untouched."""
+    model, tiles = tile_model(big_stages), bag()
+    before = state(model)
+    with torch.no_grad(), bag_statistics(model, tiles) as embedded:
+        chunked = model.embed(tiles)
+    assert embedded is not None and embedded.dtype == torch.float32 and embedded.shape == chunked.shape
+    assert float((embedded - chunked).norm() / chunked.norm()) < 5e-5
+    assert float((embedded - chunked).abs().max()) < 1e-3 * float(chunked.abs().max())
+    assert all(torch.equal(state(model)[k], v) for k, v in before.items())
+    with torch.no_grad(), bag_statistics(tile_model(-1, freeze=True), tiles) as frozen:
+        assert frozen is None  # no trained BatchNorm: nothing measured, the caller embeds
+
+
 def test_statistics_of_a_subset_normalise_the_whole_bag():
     model, tiles = tile_model(-1), bag(9, seed=1)
     subset = tiles[statistics_subset(np.arange(9), 4)]

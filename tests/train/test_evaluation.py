@@ -242,6 +242,8 @@ def test_sampled_tiles_read_only_the_k_tiles_of_each_repeat(tile_setup, monkeypa
     expected = [documented_sample(n, k, 11, r, dataset.records[i].slide_id).tolist()
                 for i, n in enumerate(counts) for r in range(repeats) if n > k or r == 0]
     assert counter.reads == expected  # K tiles per repeat, one read each (K <= embed_chunk)
+    # and one encoder pass each: the bag-statistics pass over the K tiles is their embedding
+    assert counter.encoder_inputs == [len(r) for r in expected]
     for i, n in enumerate(counts):
         for r in range(repeats):
             bag = dataset.read(i, documented_sample(n, k, 11, r, dataset.records[i].slide_id))
