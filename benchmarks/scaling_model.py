@@ -12,7 +12,8 @@ What overlaps and what does not in dpgs today (``workers/base.py``, ``dpgs/distr
 ``dpgs/distributed/channel.py``): a worker computes, encodes, sends up, waits for the master's message,
 applies it, and only then starts the next step; nothing of the exchange overlaps its compute. The master
 posts every worker's receive at once (``gather_up``), so the P uploads share its link in parallel, and
-sends its message down to the P workers one copy each (``send_down``), so its link carries P copies. The
+sends its message down to the P workers one copy each (``send_down``; with the relay each worker's own
+frame, ``send_each``), so its link carries P messages. The
 uplink and the downlink phases never overlap each other (the master sends down only once every upload
 is in), so a shared link costs the sum of the two phases. Each phase lasts as long as its busiest link:
 ``max(P * up / R_master, up / R_worker)``. DDP's ring all-reduce moves ``2 (P - 1) / P`` times the
@@ -198,14 +199,16 @@ def dpgs_dense(w: Workload, s: Scenario) -> Step:
 
 
 def relay_frame_bytes(payload_bytes: float, w: Workload, workers: int) -> float:
-    """The master's frame with ``downlink=gradients``: P payloads, the float32 buffers, sizes, header."""
-    return DPGS_FRAME_HEADER + DPGS_FRAME_PART * (workers + 1) + workers * payload_bytes + 4 * w.buffer_numel
+    """The master's frame to one worker with ``downlink=gradients``: the other P - 1 payloads (the worker
+    kept its own), the float32 buffers, sizes, header."""
+    return (DPGS_FRAME_HEADER + DPGS_FRAME_PART * workers + (workers - 1) * payload_bytes
+            + 4 * w.buffer_numel)
 
 
 def dpgs_messages(w: Workload, method: str, workers: int) -> tuple[float, float]:
     """Bytes of one worker's message up and of the master's message down to one worker, for
     ``dpgs-dense`` (float32 gradient + float64 buffers up; float32 weights + buffers down) and the
-    relayed ``dpgs-keep{r}`` (payload + float64 buffers up; the frame of P payloads down)."""
+    relayed ``dpgs-keep{r}`` (payload + float64 buffers up; the frame of the P - 1 other payloads down)."""
     if method == "dpgs-dense":
         return w.dense_bytes + 8 * w.buffer_numel, 4 * (w.numel + w.buffer_numel)
     c = w.compressed[float(method.removeprefix("dpgs-keep"))]
@@ -214,8 +217,9 @@ def dpgs_messages(w: Workload, method: str, workers: int) -> tuple[float, float]
 
 def dpgs_relay(w: Workload, s: Scenario, keep: float) -> Step:
     """``keep_ratio < 1, downlink=gradients`` (GradientsSync, dpgs's default): payloads up; the master
-    relays all P payloads to every worker (P frames of P payloads through its link) before decoding
-    (after, with clipping); every worker decodes the P payloads and takes the optimizer step itself.
+    relays each worker the other P - 1 payloads (P frames of P - 1 payloads through its link) before
+    decoding (after, with clipping); every worker decodes the P payloads (its own kept) and takes the
+    optimizer step itself.
     The master's own decode and step run while the frames travel and the workers apply them."""
     c = w.compressed[keep]
     up, frame = dpgs_messages(w, f"dpgs-keep{keep:g}", s.workers)

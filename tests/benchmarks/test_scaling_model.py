@@ -55,14 +55,14 @@ def test_dense_star_step_by_hand():
 
 
 def test_relay_step_by_hand():
-    # Up: 10 kB per worker (4 x 10 kB = 0.32 ms on the master's link). Down: a frame of 25 + 8 x 5 +
-    # 4 x 10 000 = 40 065 bytes to each of 4 workers (1.28208 ms). CPU: encode 0.004, every worker decodes
-    # 4 payloads (0.008) and steps Adam (0.05).
+    # Up: 10 kB per worker (4 x 10 kB = 0.32 ms on the master's link). Down: a frame of 25 + 8 x 4 +
+    # 3 x 10 000 = 30 057 bytes (the three other payloads) to each of 4 workers (0.961824 ms). CPU: encode
+    # 0.004, every worker decodes 4 payloads (0.008) and steps Adam (0.05).
     step = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS))
     assert step.cpu == pytest.approx(0.062)
-    assert step.comm == pytest.approx(3.2e-4 + 1.28208e-3 + 0.006)
-    assert step.total == pytest.approx(2.06960208)
-    assert step.master_bytes == pytest.approx(4 * (10_000 + 40_065))
+    assert step.comm == pytest.approx(3.2e-4 + 9.61824e-4 + 0.006)
+    assert step.total == pytest.approx(2.069281824)
+    assert step.master_bytes == pytest.approx(4 * (10_000 + 30_057))
     clipped = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS, clipping=True))
     assert clipped.total - step.total == pytest.approx(0.008)  # the master decodes before relaying
 
