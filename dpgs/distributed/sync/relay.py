@@ -103,7 +103,10 @@ class RelaySync:
             else:
                 frames = [encode_frame(kind, step.index + 1, clip, [*parts, tail])]
             try:
-                channel.send_each(frames) if kind == KIND_GRADIENTS else channel.send_down(frames[0])
+                if kind == KIND_GRADIENTS:
+                    channel.send_each(frames)
+                else:
+                    channel.send_down(frames[0])
             except ChannelBroken as err:
                 broken.append(err)
             sending += time.perf_counter() - begun
