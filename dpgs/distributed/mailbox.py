@@ -3,8 +3,8 @@
 Used where the ranks cannot form a gloo group (``dpgs.transport=ray``, or ``auto`` when forming one
 fails). Each rank numbers its operations; because every rank performs the same operations in the same
 order, operation ``seq`` of generation ``g`` names the same exchange on every rank. A value is posted
-under ``(g, seq, src, dst)`` and removed once its readers took it (a message down is posted for each
-worker under its own rank).
+under ``(g, seq, src, dst)`` and removed once its readers took it (a message down is held under each
+worker's own rank, once when every worker gets the same).
 The driver aborts a generation when a rank dies, which wakes every waiting rank with ChannelBroken.
 """
 
@@ -37,6 +37,11 @@ class Mailbox:
             return
         self.values[key] = [value, readers]
         self._event(key).set()
+
+    async def post_to_workers(self, key: tuple, value, workers: int) -> None:
+        """``value`` (held once) for each of workers 1..``workers``, under ``(*key, worker)``."""
+        for worker in range(1, workers + 1):
+            await self.post((*key, worker), value, 1)
 
     async def take(self, key: tuple, timeout_s: float):
         if key[0] in self.aborted:
@@ -111,7 +116,8 @@ class MailboxChannel:
             raise ChannelBroken(f"rank {self.rank}: {err.cause if err.cause else err}") from err
 
     def send_down(self, body: torch.Tensor) -> None:
-        self.send_each([body] * (self.world - 1))
+        """One post, which the mailbox holds once for every worker."""
+        self.mailbox.post_to_workers.remote((self.generation, self._next(), self.rank), body, self.world - 1)
 
     def send_each(self, bodies: list[torch.Tensor]) -> None:
         """Each worker's message is posted under its own rank (each worker pulls only its own)."""
@@ -132,8 +138,7 @@ class MailboxChannel:
         (None); the driver also aborts the whole generation when a rank dies."""
         seq = self.seq + (2 if drain else 1)  # drain: the workers first send up (seq + 1), then receive
         self.seq = seq
-        for rank in range(1, self.world):
-            self._post(seq, rank, None, 1)
+        self.mailbox.post_to_workers.remote((self.generation, seq, self.rank), None, self.world - 1)
 
     def close(self) -> None:
         """Nothing to release: the mailbox belongs to the pool."""

@@ -96,16 +96,14 @@ class RelaySync:
             to another one). Returns the bytes of the largest frame."""
             nonlocal sending
             begun = time.perf_counter()
-            tail = buffers_part(merged)
-            if kind == KIND_GRADIENTS:
-                frames = [encode_frame(kind, step.index + 1, clip, [*parts[:w], *parts[w + 1 :], tail])
-                          for w in range(len(parts))]
-            else:
-                frames = [encode_frame(kind, step.index + 1, clip, [*parts, tail])]
+            version, tail = step.index + 1, buffers_part(merged)
             try:
                 if kind == KIND_GRADIENTS:
+                    frames = [encode_frame(kind, version, clip, [*parts[:w], *parts[w + 1 :], tail])
+                              for w in range(len(parts))]
                     channel.send_each(frames)
                 else:
+                    frames = [encode_frame(kind, version, clip, [*parts, tail])]
                     channel.send_down(frames[0])
             except ChannelBroken as err:
                 broken.append(err)
