@@ -112,7 +112,8 @@ def cases(workloads: list[Workload], workers: list[int], methods: list[str]) -> 
 
 
 def predicted(w: Workload, case: dict, link: Link) -> float:
-    return predict(w, case["method"], Scenario(case["workers"], case["workers"], link)).comm
+    scenario = Scenario(case["workers"], case["workers"], link, full_duplex=False)  # one queue, both ways
+    return predict(w, case["method"], scenario).comm
 
 
 def with_rounds(todo: list[dict], by_name: dict[str, Workload], link: Link, quick: bool) -> list[dict]:

@@ -8,14 +8,16 @@ with ``n = ceil(B / P)`` bags of the step's ``B``::
 
     step = compute + exposed exchange,      compute = pass + n * (forward + backward of one bag)
 
-What overlaps and what does not in dpgs today (``workers/base.py``, ``dpgs/distributed/sync.py``,
-``dpgs/distributed/channel.py``): a worker computes, encodes, sends up, waits for the master's message,
+What overlaps and what does not in dpgs today (``workers/base.py``, ``dpgs/distributed/sync/``,
+``dpgs/distributed/gloo.py``): a worker computes, encodes, sends up, waits for the master's message,
 applies it, and only then starts the next step; nothing of the exchange overlaps its compute. The master
 posts every worker's receive at once (``gather_up``), so the P uploads share its link in parallel, and
-sends its message down to the P workers one copy each (``send_down``; with the relay each worker's own
-frame, ``send_each``), so its link carries P messages. The
-uplink and the downlink phases never overlap each other (the master sends down only once every upload
-is in), so a shared link costs the sum of the two phases. Each phase lasts as long as its busiest link:
+sends its message down to the P workers one copy each (``send_down``), so its link carries P messages.
+Dense, the downlink phase starts only once every upload is in and summed, so a shared link costs the sum
+of the two phases. Relayed (compressed), the master forwards each upload to the P - 1 other workers piece
+by piece as it arrives (``CHUNK`` bytes a piece), so the two directions of every full-duplex link are busy
+at once: the exchange costs the longer of the two phases and one piece of the other, then the small
+frame of the buffers. Each phase lasts as long as its busiest link:
 ``max(P * up / R_master, up / R_worker)``. DDP's ring all-reduce moves ``2 (P - 1) / P`` times the
 gradient over every worker link and starts during the backward pass of the last bag, bucket by bucket.
 """
@@ -23,13 +25,14 @@ gradient over every worker link and starts during the backward pass of the last 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MIB = 1 << 20
 DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch DDP: the first bucket is capped at 1 MiB ...
 DDP_BUCKET_BYTES = 25 * MIB  # ... the others at bucket_cap_mb = 25
 DPGS_FRAME_HEADER = 25  # dpgs.distributed.frames: struct "<4sBQdI"
 DPGS_FRAME_PART = 8  # one u64 size per part
+DPGS_RELAY_PIECE = 128 << 10  # dpgs.distributed.gloo.CHUNK: the relay forwards an upload in such pieces
 DPGS_ONE_WAY_LATENCIES = 6  # per step, see dpgs_latency
 # Payload bytes per wire byte of a bulk TCP transfer, MSS 1448 (timestamps on) in a 1500-byte MTU:
 # counted by tc and interface counters (1514-byte frames) and on a physical link (plus 8 bytes of
@@ -129,13 +132,15 @@ class Workload:
 class Scenario:
     """What is being predicted: P workers, B bags per step, links (``worker_link`` defaults to the
     master's), with or without gradient clipping (``train.grad_clip``: the master then decodes before
-    relaying)."""
+    its frame), on full-duplex links or on one queue for both directions (where the relay's cut-through
+    gains nothing)."""
 
     workers: int
     bags_per_step: int
     link: Link
     worker_link: Link | None = None
     clipping: bool = False
+    full_duplex: bool = True  # False: one queue carries both directions (the loopback checks' namespace)
 
     @property
     def worker(self) -> Link:
@@ -198,36 +203,42 @@ def dpgs_dense(w: Workload, s: Scenario) -> Step:
     return Step("dpgs-dense", s.workers, compute(w, s), cpu, comm, s.workers * (up + down), up + down)
 
 
-def relay_frame_bytes(payload_bytes: float, w: Workload, workers: int) -> float:
-    """The master's frame to one worker with ``downlink=gradients``: the other P - 1 payloads (the worker
-    kept its own), the float32 buffers, sizes, header."""
-    return (DPGS_FRAME_HEADER + DPGS_FRAME_PART * workers + (workers - 1) * payload_bytes
-            + 4 * w.buffer_numel)
+def relay_frame_bytes(w: Workload) -> float:
+    """The master's frame to every worker with ``downlink=gradients`` once the payloads were relayed: the
+    float32 buffers, one size, header."""
+    return DPGS_FRAME_HEADER + DPGS_FRAME_PART + 4 * w.buffer_numel
 
 
 def dpgs_messages(w: Workload, method: str, workers: int) -> tuple[float, float]:
-    """Bytes of one worker's message up and of the master's message down to one worker, for
-    ``dpgs-dense`` (float32 gradient + float64 buffers up; float32 weights + buffers down) and the
-    relayed ``dpgs-keep{r}`` (payload + float64 buffers up; the frame of the P - 1 other payloads down)."""
+    """Bytes of one worker's message up and of what the master sends one worker down, for ``dpgs-dense``
+    (float32 gradient + float64 buffers up; float32 weights + buffers down) and the relayed
+    ``dpgs-keep{r}`` (payload + float64 buffers up; the P - 1 other payloads and the frame down)."""
     if method == "dpgs-dense":
         return w.dense_bytes + 8 * w.buffer_numel, 4 * (w.numel + w.buffer_numel)
     c = w.compressed[float(method.removeprefix("dpgs-keep"))]
-    return c.payload_bytes + 8 * w.buffer_numel, relay_frame_bytes(c.payload_bytes, w, workers)
+    return c.payload_bytes + 8 * w.buffer_numel, (workers - 1) * c.payload_bytes + relay_frame_bytes(w)
 
 
 def dpgs_relay(w: Workload, s: Scenario, keep: float) -> Step:
-    """``keep_ratio < 1, downlink=gradients`` (GradientsSync, dpgs's default): payloads up; the master
-    relays each worker the other P - 1 payloads (P frames of P - 1 payloads through its link) before
-    decoding (after, with clipping); every worker decodes the P payloads (its own kept) and takes the
-    optimizer step itself.
-    The master's own decode and step run while the frames travel and the workers apply them."""
+    """``keep_ratio < 1, downlink=gradients`` (RelaySync, dpgs's default): payloads up; the master
+    forwards each worker the other P - 1 payloads while they arrive (cut-through: the longer of the up
+    and down phases, plus one piece of the other), then sends the frame of the buffers, before decoding
+    (after, with clipping); every worker decodes the P payloads (its own kept) and takes the optimizer
+    step itself. The master's own decode and step run while the workers apply theirs."""
     c = w.compressed[keep]
-    up, frame = dpgs_messages(w, f"dpgs-keep{keep:g}", s.workers)
+    up, down = dpgs_messages(w, f"dpgs-keep{keep:g}", s.workers)
+    relayed = down - relay_frame_bytes(w)
+    piece = min(DPGS_RELAY_PIECE, c.payload_bytes)
+    # the busier direction carries all its bytes; the other adds its first (down: last) piece
+    relay = max(star_phase(piece, s) + star_phase(relayed, s),
+                star_phase(up, s) + star_phase((s.workers - 1) * piece, s))
+    if not s.full_duplex:
+        relay = star_phase(up, s) + star_phase(relayed, s)
     apply = s.workers * c.decode_add_s + w.optimizer_s
     cpu = c.encode_s + apply + (s.workers * c.decode_add_s if s.clipping else 0.0)
-    comm = star_phase(up, s) + star_phase(frame, s) + dpgs_latency(s)
-    return Step(f"dpgs-keep{keep:g}", s.workers, compute(w, s), cpu, comm, s.workers * (up + frame),
-                up + frame)
+    comm = relay + star_phase(relay_frame_bytes(w), s) + dpgs_latency(s)
+    return Step(f"dpgs-keep{keep:g}", s.workers, compute(w, s), cpu, comm, s.workers * (up + down),
+                up + down)
 
 
 def dpgs_delta(w: Workload, s: Scenario, keep: float) -> Step:
@@ -355,4 +366,4 @@ def fastest_workers(w: Workload, method: str, scenario: Scenario, ps: list[int])
 
 
 def _with_workers(s: Scenario, workers: int) -> Scenario:
-    return Scenario(workers, s.bags_per_step, s.link, s.worker_link, s.clipping)
+    return replace(s, workers=workers)

@@ -88,7 +88,7 @@ def run_checks(workloads: list[Workload], latency_s: float, quick: bool,
                 progress(f"  {run['method']} P={run['workers']} failed: {run['failed_attempts']}")
                 continue
             med = {k: statistics.median(e[k] for e in run["epochs"]) for k in KEYS}
-            step = predict(w, run["method"], Scenario(run["workers"], BATCH, link))
+            step = predict(w, run["method"], Scenario(run["workers"], BATCH, link, full_duplex=False))
             compute = med["time_compute_seconds"] + med["time_read_wait_seconds"]
             run_cpu = med["time_encode_seconds"] + med["time_apply_seconds"]
             if run["method"] == "dpgs-dense":

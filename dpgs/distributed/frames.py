@@ -12,8 +12,9 @@ Layout (little-endian)::
 Kinds (each names its parts; the last part is always the merged floating-point buffers as raw float32,
 empty for a model without BatchNorm):
 
-* ``KIND_GRADIENTS``: the step's worker payloads in worker order but the receiver's own (which it kept):
-  P - 1 parts (``downlink=gradients``, compressed);
+* ``KIND_GRADIENTS``: no part of its own: the step's other worker payloads were relayed during the gather
+  (``Channel.recv_relayed``), and the frame brings the clip factor and the buffers (``downlink=gradients``,
+  compressed);
 * ``KIND_SUM``: the sum of the workers' gradients as raw float32 (``downlink=gradients``, dense, or when
   the P payloads would be larger than the sum);
 * ``KIND_DELTA``: the master's top-k weight-delta payload (``downlink=delta``, compressed);

@@ -9,7 +9,8 @@ arrived (``Channel.gather_up(timed=True)``). Worker w's round trip is modelled a
 (S bytes down and S up through that worker's link, the master's link shared as in a real step). Two sizes
 give both unknowns of every worker; the exchange of a step that moves ``up`` bytes up and ``down`` bytes
 down per worker is then predicted as ``max_w latency_w + (up + down) / rate_w`` (the step waits for the
-slowest worker).
+slowest worker), or ``max_w latency_w + max(up, down) / rate_w`` where the bytes down flow while the bytes
+up arrive (the relay's cut-through: every link is full duplex).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ class LinkProbe:
             return max(t1, 0.0), math.inf
         return max(t0 - 2 * s0 * slope, 0.0), 1.0 / slope
 
-    def exchange_seconds(self, up_bytes: float, down_bytes: float) -> float:
-        """Predicted wall time of moving ``up_bytes`` up and ``down_bytes`` down per worker (slowest)."""
-        return max(lat + (up_bytes + down_bytes) / rate for lat, rate in map(self.fit, range(self.workers)))
+    def exchange_seconds(self, up_bytes: float, down_bytes: float, overlapped: bool = False) -> float:
+        """Predicted wall time of moving ``up_bytes`` up and ``down_bytes`` down per worker (slowest), one
+        after the other or, ``overlapped``, at the same time."""
+        moved = max(up_bytes, down_bytes) if overlapped else up_bytes + down_bytes
+        return max(lat + moved / rate for lat, rate in map(self.fit, range(self.workers)))
 
     def metrics(self) -> dict[str, float]:
         """Per-worker latency (ms) and rate (Mbit/s) for MLflow."""

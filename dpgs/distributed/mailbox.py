@@ -4,7 +4,8 @@ Used where the ranks cannot form a gloo group (``dpgs.transport=ray``, or ``auto
 fails). Each rank numbers its operations; because every rank performs the same operations in the same
 order, operation ``seq`` of generation ``g`` names the same exchange on every rank. A value is posted
 under ``(g, seq, src, dst)`` and removed once its readers took it (a message down is held under each
-worker's own rank, once when every worker gets the same).
+worker's own rank, once when every worker gets the same). A gather takes two numbers: the messages up, then
+what the master forwards of them to each worker (None when nothing), posted once every message is in.
 The driver aborts a generation when a rank dies, which wakes every waiting rank with ChannelBroken.
 """
 
@@ -17,7 +18,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dpgs.distributed.transport import MASTER_RANK, ChannelBroken
+from dpgs.distributed.transport import MASTER_RANK, ChannelBroken, Forward, worker_of
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -75,6 +76,7 @@ class MailboxChannel:
         self.mailbox, self.generation, self.timeout_s = mailbox, generation, timeout_s
         self.seq = 0
         self.arrivals: list[float] = []  # when each worker's message of the last timed gather arrived
+        self._relayed: int | None = None  # worker: the number of what is forwarded of its last message up
 
     def _next(self) -> int:
         self.seq += 1
@@ -95,10 +97,44 @@ class MailboxChannel:
             raise ChannelBroken(f"rank {self.rank}: the mailbox is unreachable: {err}") from err
 
     def send_up(self, body: torch.Tensor) -> None:
+        self._settle()
         self._post(self._next(), MASTER_RANK, body, 1)
+        self._relayed = self._next()
 
-    def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
-        seq = self._next()
+    def recv_relayed(self) -> list[torch.Tensor]:
+        if self._relayed is None:
+            return []
+        seq, self._relayed = self._relayed, None
+        return self._take(seq, MASTER_RANK, self.rank) or []
+
+    def _settle(self) -> None:
+        if self.recv_relayed():
+            raise RuntimeError(f"rank {self.rank}: the master forwarded other workers' messages; "
+                               "recv_relayed must take them")
+
+    def gather_up(self, timed: bool = False, forward: Forward | None = None) -> list[torch.Tensor]:
+        seq, relayed = self._next(), self._next()
+        try:
+            bodies = self._gather(seq, timed)
+        except ChannelBroken:
+            self._post_relayed(relayed, None)  # the live workers go on to the abort
+            raise
+        counts = None if forward is None else forward([b.numel() for b in bodies])
+        heads = None if counts is None else [
+            [b[:n] for o, (b, n) in enumerate(zip(bodies, counts, strict=True)) if o != worker_of(rank)]
+            for rank in range(1, self.world)
+        ]
+        self._post_relayed(relayed, heads)
+        return bodies
+
+    def _post_relayed(self, seq: int, heads: list[list[torch.Tensor]] | None) -> None:
+        if heads is None:
+            self.mailbox.post_to_workers.remote((self.generation, seq, self.rank), None, self.world - 1)
+        else:
+            for rank, own in enumerate(heads, start=1):
+                self._post(seq, rank, own, 1)
+
+    def _gather(self, seq: int, timed: bool) -> list[torch.Tensor]:
         if not timed:
             return [self._take(seq, src, MASTER_RANK) for src in range(1, self.world)]
         refs = {self.mailbox.take.remote((self.generation, seq, src, MASTER_RANK), self.timeout_s): src
@@ -119,15 +155,8 @@ class MailboxChannel:
         """One post, which the mailbox holds once for every worker."""
         self.mailbox.post_to_workers.remote((self.generation, self._next(), self.rank), body, self.world - 1)
 
-    def send_each(self, bodies: list[torch.Tensor]) -> None:
-        """Each worker's message is posted under its own rank (each worker pulls only its own)."""
-        if len(bodies) != self.world - 1:
-            raise ValueError(f"{len(bodies)} messages for {self.world - 1} workers")
-        seq = self._next()
-        for rank, body in enumerate(bodies, start=1):
-            self._post(seq, rank, body, 1)
-
     def recv_down(self) -> torch.Tensor:
+        self._settle()
         body = self._take(self._next(), MASTER_RANK, self.rank)
         if body is None:
             raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
@@ -135,10 +164,12 @@ class MailboxChannel:
 
     def abort(self, drain: bool) -> None:
         """Posts never block here, so nothing needs draining: the workers' next message down is the abort
-        (None); the driver also aborts the whole generation when a rank dies."""
-        seq = self.seq + (2 if drain else 1)  # drain: the workers first send up (seq + 1), then receive
-        self.seq = seq
-        self.mailbox.post_to_workers.remote((self.generation, seq, self.rank), None, self.world - 1)
+        (None); the driver also aborts the whole generation when a rank dies. ``drain``: the workers first
+        send up (seq + 1) and take what is forwarded of it (seq + 2, nothing), then receive (seq + 3)."""
+        if drain:
+            self._post_relayed(self.seq + 2, None)
+        self.seq += 3 if drain else 1
+        self.mailbox.post_to_workers.remote((self.generation, self.seq, self.rank), None, self.world - 1)
 
     def close(self) -> None:
         """Nothing to release: the mailbox belongs to the pool."""

@@ -83,6 +83,11 @@ class ByteModel:
         down = (min((self.workers - 1) * self.payload(keep), dense) if self.relay else self.payload(keep))
         return up, down + 4 * self.buffers + HEADER_BYTES
 
+    def relayed(self, keep: float) -> bool:
+        """Whether a step at ``keep`` relays the payloads: its bytes down then flow while its bytes up
+        arrive (the gloo transport forwards them piece by piece), rather than after them."""
+        return self.relay and keep < 1.0 and (self.workers - 1) * self.payload(keep) < 4.0 * self.numel
+
     def calibrated(self, keep: float, payload_bytes: float) -> ByteModel:
         """The model with ``entry_bytes`` measured from a worker's mean payload at ``keep`` < 1."""
         sent = round(keep * (self.numel - self.dense_numel))
@@ -234,7 +239,7 @@ class KeepSchedule:
         budget = self.cfg.auto_share * compute_seconds
 
         def link_seconds(keep: float) -> float:
-            return link.exchange_seconds(*bytes_model.per_worker(keep))
+            return link.exchange_seconds(*bytes_model.per_worker(keep), overlapped=bytes_model.relayed(keep))
 
         def exchange(keep: float) -> float:
             if keep in self.costs.exchange:

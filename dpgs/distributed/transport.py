@@ -3,12 +3,15 @@ contract and its one error, :class:`ChannelBroken`.
 
 A step is one round trip through the master: every worker sends one message up (:meth:`Channel.send_up`,
 received by the master's :meth:`Channel.gather_up`), the master sends one message down to every worker
-(:meth:`Channel.send_down`, or :meth:`Channel.send_each` where each worker gets its own; both received by
-:meth:`Channel.recv_down`). Messages are 1-D ``uint8`` tensors (a float
-tensor travels as ``as_bytes(t)``, without a copy). Two transports implement the contract:
-``dpgs.distributed.gloo`` (point-to-point sends of a ``torch.distributed`` gloo group formed inside the
-Ray actors) and ``dpgs.distributed.mailbox`` (object references through a small Ray actor, where the
-processes cannot connect to each other); ``dpgs.distributed.rendezvous`` opens one or the other.
+(:meth:`Channel.send_down`, received by :meth:`Channel.recv_down`). While it gathers, the master may also
+forward the head of each worker's message to every other worker (a ``forward`` rule given to
+``gather_up``; the workers take them with :meth:`Channel.recv_relayed`): the relay of compressed gradients
+(``dpgs.distributed.sync.relay``), which the gloo transport forwards piece by piece as they arrive.
+Messages are 1-D ``uint8`` tensors (a float tensor travels as ``as_bytes(t)``, without a copy). Two
+transports implement the contract: ``dpgs.distributed.gloo`` (point-to-point sends of a
+``torch.distributed`` gloo group formed inside the Ray actors) and ``dpgs.distributed.mailbox`` (object
+references through a small Ray actor, where the processes cannot connect to each other);
+``dpgs.distributed.rendezvous`` opens one or the other.
 
 Faults: a peer that dies surfaces at once (its connection closes), an operation that waits longer than
 the timeout fails, and both raise :class:`ChannelBroken`. The master is in every exchange, so when it
@@ -19,6 +22,7 @@ stopped and the driver re-forms the group.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -43,22 +47,29 @@ class ChannelBroken(RuntimeError):
     """An exchange could not complete (a peer died or hung, or the master aborted the step)."""
 
 
+Forward = Callable[[list[int]], "list[int] | None"]
+"""The master's relay rule: from the sizes of the workers' messages (worker order), how many leading bytes
+of each to forward to every other worker, or None to forward nothing."""
+
+
 class Channel(Protocol):
     rank: int
     world: int
     arrivals: list[float]  # master: when each worker's message of the last timed gather_up arrived
     def send_up(self, body: torch.Tensor) -> None:
-        """Worker: send ``body`` (1-D uint8) to the master."""
+        """Worker: send ``body`` (1-D uint8) to the master (the send may complete in the next call)."""
 
-    def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
+    def recv_relayed(self) -> list[torch.Tensor]:
+        """Worker: the heads of the other workers' messages that the master forwarded in the gather of this
+        worker's last message up (worker order, without its own; empty when it forwarded none). Optional:
+        the next :meth:`recv_down` or :meth:`send_up` settles an exchange that forwarded nothing."""
+
+    def gather_up(self, timed: bool = False, forward: Forward | None = None) -> list[torch.Tensor]:
         """Master: every worker's message, in worker order (``timed``: their arrival times in
-        ``arrivals``, ``time.perf_counter`` seconds)."""
+        ``arrivals``, ``time.perf_counter`` seconds); ``forward``: relay their heads (:data:`Forward`)."""
 
     def send_down(self, body: torch.Tensor) -> None:
         """Master: send ``body`` to every worker."""
-
-    def send_each(self, bodies: list[torch.Tensor]) -> None:
-        """Master: send ``bodies[w]`` to worker ``w`` (one message per worker, as :meth:`send_down`)."""
 
     def recv_down(self) -> torch.Tensor:
         """Worker: the master's message (ChannelBroken when the master aborted the exchange)."""
@@ -84,15 +95,20 @@ class EmulatedLink:
         self.channel, self.mbps = channel, mbps
         self.rank, self.world = channel.rank, channel.world
 
-    def _wait(self, body: torch.Tensor) -> None:
-        time.sleep(body.numel() * 8 / (self.mbps * 1e6))
+    def _wait(self, n_bytes: int) -> None:
+        time.sleep(n_bytes * 8 / (self.mbps * 1e6))
 
     def send_up(self, body: torch.Tensor) -> None:
-        self._wait(body)
+        self._wait(body.numel())
         self.channel.send_up(body)
 
-    def gather_up(self, timed: bool = False) -> list[torch.Tensor]:
-        return self.channel.gather_up(timed)
+    def recv_relayed(self) -> list[torch.Tensor]:
+        heads = self.channel.recv_relayed()
+        self._wait(sum(h.numel() for h in heads))
+        return heads
+
+    def gather_up(self, timed: bool = False, forward: Forward | None = None) -> list[torch.Tensor]:
+        return self.channel.gather_up(timed, forward)
 
     @property
     def arrivals(self) -> list[float]:
@@ -101,12 +117,9 @@ class EmulatedLink:
     def send_down(self, body: torch.Tensor) -> None:
         self.channel.send_down(body)
 
-    def send_each(self, bodies: list[torch.Tensor]) -> None:
-        self.channel.send_each(bodies)
-
     def recv_down(self) -> torch.Tensor:
         body = self.channel.recv_down()
-        self._wait(body)
+        self._wait(body.numel())
         return body
 
     def abort(self, drain: bool) -> None:

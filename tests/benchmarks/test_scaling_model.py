@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,16 +56,24 @@ def test_dense_star_step_by_hand():
 
 
 def test_relay_step_by_hand():
-    # Up: 10 kB per worker (4 x 10 kB = 0.32 ms on the master's link). Down: a frame of 25 + 8 x 4 +
-    # 3 x 10 000 = 30 057 bytes (the three other payloads) to each of 4 workers (0.961824 ms). CPU: encode
-    # 0.004, every worker decodes 4 payloads (0.008) and steps Adam (0.05).
+    # Up: 10 kB per worker (4 x 10 kB = 0.32 ms on the master's link). Down, forwarded as it arrives: the
+    # three other payloads, 30 kB to each of 4 workers (0.96 ms); one piece (the payload is one), so the
+    # forward starts once the upload is in: 0.32 + 0.96 ms. Then the frame of 25 + 8 bytes to each of 4
+    # workers (1.056 us). CPU: encode 0.004, every worker decodes 4 payloads (0.008) and steps Adam (0.05).
     step = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS))
     assert step.cpu == pytest.approx(0.062)
-    assert step.comm == pytest.approx(3.2e-4 + 9.61824e-4 + 0.006)
-    assert step.total == pytest.approx(2.069281824)
-    assert step.master_bytes == pytest.approx(4 * (10_000 + 30_057))
+    assert step.comm == pytest.approx(3.2e-4 + 9.6e-4 + 1.056e-6 + 0.006)
+    assert step.total == pytest.approx(2.062 + step.comm)
+    assert step.master_bytes == pytest.approx(4 * (10_000 + 30_000 + 33))
     clipped = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS, clipping=True))
-    assert clipped.total - step.total == pytest.approx(0.008)  # the master decodes before relaying
+    assert clipped.total - step.total == pytest.approx(0.008)  # the master decodes before its frame
+    # 10 MB payloads at P = 2 (77 pieces of 128 KiB): up and down at once, plus one piece
+    big = workload(compressed={0.01: replace(workload().compressed[0.01], payload_bytes=10e6)})
+    two = predict(big, "dpgs-keep0.01", Scenario(2, 4, GBPS))
+    assert two.comm == pytest.approx(8 * 2 * (10e6 + (128 << 10)) / 1e9 + 8 * 2 * 33 / 1e9 + 0.006)
+    # one queue for both directions (the loopback checks' namespace): up, then down
+    shared = predict(big, "dpgs-keep0.01", Scenario(2, 4, GBPS, full_duplex=False))
+    assert shared.comm == pytest.approx(8 * 2 * 2 * 10e6 / 1e9 + 8 * 2 * 33 / 1e9 + 0.006)
 
 
 def test_merged_and_delta_by_hand():

@@ -1,6 +1,7 @@
 """The gloo transport (``dpgs.distributed.gloo``) between real processes on 127.0.0.1, without Ray: the
-step's messages arrive whole and in worker order, and the link probe's timed gather completes (a gloo
-receive completes only inside ``wait``)."""
+step's messages arrive whole and in worker order, the heads the master forwards (several pieces each)
+reach every other worker, and the link probe's timed gather completes (a gloo receive completes only
+inside ``wait``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from dpgs.distributed.gloo import GlooChannel
+from dpgs.distributed.gloo import CHUNK, GlooChannel
 from dpgs.distributed.link_probe import probe_as_master, probe_as_worker
 
 WORLD = 3
@@ -23,18 +24,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def big(rank: int) -> torch.Tensor:
+    """Worker ``rank``'s relayed message: more than two pieces, its bytes numbered."""
+    n = 2 * CHUNK + 100 + 7 * rank
+    return ((torch.arange(n) * rank) % 251).to(torch.uint8)
+
+
 def rank_main(rank: int, port: int, results) -> None:
     channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
     if rank == 0:
         bodies = channel.gather_up()
         channel.send_down(torch.arange(5, dtype=torch.uint8))
+        relayed = channel.gather_up(forward=lambda sizes: [n - 3 for n in sizes])  # all but 3 bytes
+        channel.send_down(torch.arange(2, dtype=torch.uint8))
         probe = probe_as_master(channel, SIZES)
-        results.put(("master", [b.tolist() for b in bodies], probe))
+        results.put(("master", ([b.tolist() for b in bodies], [torch.equal(b, big(r + 1))
+                                                                for r, b in enumerate(relayed)]), probe))
     else:
         channel.send_up(torch.full((rank * 3,), rank, dtype=torch.uint8))
         down = channel.recv_down()
+        channel.send_up(big(rank))
+        heads = channel.recv_relayed()
+        expected = [big(r)[:-3] for r in range(1, WORLD) if r != rank]
+        relayed_ok = [torch.equal(h, e) for h, e in zip(heads, expected, strict=True)]
+        down2 = channel.recv_down()
         probe_as_worker(channel, SIZES)
-        results.put((f"worker{rank}", down.tolist(), None))
+        results.put((f"worker{rank}", (down.tolist(), relayed_ok, down2.tolist()), None))
 
 
 @pytest.mark.timeout(180)
@@ -47,9 +62,13 @@ def test_messages_and_a_link_probe_over_gloo_between_processes():
     got = dict((name, (a, b)) for name, a, b in (results.get(timeout=150) for _ in range(WORLD)))
     for p in procs:
         p.join(timeout=30)
-    bodies, probe = got["master"]
+    (bodies, relayed_whole), probe = got["master"]
     assert bodies == [[1, 1, 1], [2, 2, 2, 2, 2, 2]]  # in worker order
-    assert got["worker1"][0] == got["worker2"][0] == [0, 1, 2, 3, 4]
+    assert relayed_whole == [True, True]
+    for rank in (1, 2):
+        down, relayed_ok, down2 = got[f"worker{rank}"][0]
+        assert down == [0, 1, 2, 3, 4] and down2 == [0, 1]
+        assert relayed_ok == [True]  # the other worker's head, byte for byte
     assert probe.sizes == SIZES and probe.workers == 2
     assert all(0 < t < 30 for round_trips in probe.seconds for t in round_trips)
 
@@ -97,3 +116,65 @@ def test_local_address_is_the_route_to_the_peer_outside_ray(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.0.0.7")
     assert local_address("127.0.0.1") == "10.0.0.7"  # inside Ray: the node's address, not the route
+
+
+def broken_relay_main(rank: int, port: int, results) -> None:
+    """Worker 2 sends its size and first piece, then dies; worker 1 must get through the forwarded pieces
+    (the rest as zeros) to the master's abort, and the master's gather must fail."""
+    import os
+
+    from dpgs.distributed import gloo
+    from dpgs.distributed.transport import ChannelBroken
+
+    channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
+    if rank == 2:
+        body = big(rank)
+        size = torch.tensor([body.numel()], dtype=torch.int64)
+        for work in (channel._group.send([size], 0, gloo._SIZE_TAG),
+                     channel._group.send([body[:CHUNK]], 0, gloo._BODY_TAG)):
+            work.wait()
+        os._exit(0)
+    try:
+        if rank == 0:
+            try:
+                channel.gather_up(forward=lambda sizes: sizes)
+                results.put(("master", "gathered"))
+            except ChannelBroken:
+                channel.abort(drain=False)
+                results.put(("master", "broken"))
+        else:
+            channel.send_up(big(rank))
+            heads = channel.recv_relayed()
+            first = bool(torch.equal(heads[0][:CHUNK], big(2)[:CHUNK]))
+            rest = int(heads[0][CHUNK:].count_nonzero())
+            try:
+                channel.recv_down()
+                results.put(("worker1", (first, rest, "no abort")))
+            except ChannelBroken as err:
+                results.put(("worker1", (first, rest, str(err))))
+    finally:
+        results.put(("exit", rank))
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_dies_mid_message_lets_the_others_reach_the_abort():
+    import time
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    started = time.monotonic()
+    procs = [ctx.Process(target=broken_relay_main, args=(r, port, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = {}
+    while len(got) < 2:
+        name, value = results.get(timeout=150)
+        if name != "exit":
+            got[name] = value
+    for p in procs:
+        p.join(timeout=30)
+    assert got["master"] == "broken"
+    first, rest, error = got["worker1"]
+    assert first and rest == 0  # the piece that arrived, then zeros
+    assert "aborted the exchange" in error
+    assert time.monotonic() - started < 60  # not the 60 s exchange deadline

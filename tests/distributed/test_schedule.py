@@ -38,7 +38,17 @@ def test_the_probe_fit_recovers_latency_and_rate():
     latency, rate = probe.fit(0)
     assert latency == pytest.approx(0.002) and rate == pytest.approx(100e6 / 8)
     assert probe.exchange_seconds(1e6, 2e6) == pytest.approx(0.002 + 3e6 / (100e6 / 8))
+    assert probe.exchange_seconds(1e6, 2e6, overlapped=True) == pytest.approx(0.002 + 2e6 / (100e6 / 8))
     assert probe.metrics()["link_mbps_worker_1"] == pytest.approx(100.0)
+
+
+def test_a_step_relays_when_the_other_payloads_are_smaller_than_the_dense_sum():
+    """The relayed steps' bytes down flow while the bytes up arrive (cut-through); a dense step, the
+    master's delta, and a relay whose P - 1 payloads would outweigh the dense sum wait for the sum."""
+    assert model().relayed(0.01) and model().relayed(0.25)
+    assert not model().relayed(1.0)
+    assert not model(downlink="delta").relayed(0.01)
+    assert model(workers=4).relayed(0.25) and not model(workers=16).relayed(0.25)
 
 
 def test_the_slowest_worker_sets_the_exchange():
@@ -68,13 +78,16 @@ def test_auto_chooses_dense_on_a_fast_link_and_compresses_on_a_slow_one():
     assert fast.ratio == 1.0 and fast.dense_exchange_seconds <= 0.1 * compute
     slow_schedule = KeepSchedule(cfg)
     slow = slow_schedule.decide(link(100.0), compute, model())
-    # 47 MB each way at 100 Mbit/s is 7.5 s; keep 10 % (3.5 MB up, 7 MB down) 0.84 s > 0.3 s; keep 1 %: 0.08 s
+    # 47 MB up, then the 47 MB sum down, at 100 Mbit/s is 7.5 s; keep 30 %: 10.5 MB up while the other
+    # worker's 10.5 MB come down, 0.84 s > 0.3 s; keep 10 %: 3.5 MB each way at once, 0.28 s
     assert slow.dense_exchange_seconds == pytest.approx(0.001 + 2 * 4 * RESNET18 * 8 / 100e6, rel=1e-3)
-    assert slow.ratio == 0.01 and slow.exchange_seconds <= 0.1 * compute
-    assert slow_schedule.ratio(1) == 0.25 and slow_schedule.ratio(3) == 0.01  # DGC warm-up, then steady
+    assert slow.ratio == 0.1 and slow.exchange_seconds <= 0.1 * compute
+    assert slow_schedule.ratio(1) == 0.25 and slow_schedule.ratio(3) == 0.1  # DGC warm-up, then steady
+    slower = KeepSchedule(cfg).decide(link(30.0), compute, model())
+    assert slower.ratio == 0.01 and slower.exchange_seconds <= 0.1 * compute  # 10 %: 0.93 s
     hopeless = KeepSchedule(cfg).decide(link(1.0), compute, model())
     assert hopeless.ratio == 0.01  # nothing fits: the fastest exchange (the smallest default ratio)
-    assert slow.metrics()["auto_keep_ratio"] == 0.01
+    assert slow.metrics()["auto_keep_ratio"] == 0.1
 
 
 def test_auto_stays_dense_where_latency_dominates():
@@ -121,7 +134,7 @@ def test_measured_only_at_the_warm_up_ratio_auto_neither_explores_nor_stays_dens
     slow = link(100.0)
 
     def link_s(k):
-        return slow.exchange_seconds(*model().per_worker(k))
+        return slow.exchange_seconds(*model().per_worker(k), overlapped=model().relayed(k))
 
     tiles.costs.codec[0.25], tiles.costs.exchange[0.25] = 0.8, link_s(0.25) + 0.9
     assert tiles.decide(slow, 1.1, model()).ratio == 0.01
@@ -211,7 +224,7 @@ def test_a_ratio_not_run_yet_is_charged_the_overhead_plus_the_growth_of_the_code
     gbit = link(1000.0)
 
     def link_s(k):
-        return gbit.exchange_seconds(*model().per_worker(k))
+        return gbit.exchange_seconds(*model().per_worker(k), overlapped=model().relayed(k))
 
     schedule.costs.codec[0.001] = 0.35
     schedule.costs.exchange[0.001] = 0.015 + link_s(0.001)

@@ -118,14 +118,14 @@ def test_relayed_compressed_steps_keep_every_replica_identical_to_the_master():
 
 
 def test_each_worker_is_relayed_only_the_other_workers_payloads():
-    """P = 3, compressed: worker w's frame holds the two other payloads (it kept its own), so the master
-    sends (P - 1) x the payloads plus each frame's header, part sizes and buffers; and every replica still
-    takes the master's step exactly."""
+    """P = 3, compressed: worker w is forwarded the two other payloads (it kept its own), then a frame of
+    the buffers alone, so the master sends (P - 1) x the payloads plus each frame's header, part size and
+    buffers; and every replica still takes the master's step exactly."""
     config, model = model_and_config("dpgs.compression.downlink=gradients", "dpgs.workers=3")
     master, replicas, wire = run(config, model, [0.05, 0.01, 0.05], workers=3)
     buffers = master.n_buffers
     payloads = wire.bytes_up - 3 * 3 * 8 * buffers  # 3 steps x 3 workers, float64 buffers up
-    frames = 3 * 3 * (FRAME_HEADER.size + 8 * 3 + 4 * buffers)  # 2 payload parts + the buffers part each
+    frames = 3 * 3 * (FRAME_HEADER.size + 8 + 4 * buffers)  # the buffers part alone
     assert wire.bytes_down == 2 * payloads + frames
     for r in replicas:
         assert torch.equal(r.flat_params(), master.flat_params()) and r.version == 3

@@ -31,15 +31,12 @@ class ScriptedChannel:
             self.fail_on = ""
             raise ChannelBroken(f"scripted failure in {op}")
 
-    def gather_up(self):
+    def gather_up(self, timed: bool = False, forward=None):
         self._maybe_fail("gather_up")
         return [b.clone() for b in self.bodies]
 
     def send_down(self, body):
         self._maybe_fail("send_down")
-
-    def send_each(self, bodies):
-        self._maybe_fail("send_down")  # the message down, each worker's own
 
     def abort(self, drain: bool):
         self.calls.append(f"abort(drain={drain})")

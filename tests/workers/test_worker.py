@@ -54,14 +54,10 @@ class OneMasterChannel:
         master.channel = self
 
     # master side
-    def gather_up(self):
-        return [self.up[-1]]
+    def gather_up(self, timed: bool = False, forward=None):
+        return [self.up[-1]]  # one worker: nothing to forward to another
 
     def send_down(self, body):
-        self.down.append(body)
-
-    def send_each(self, bodies):
-        (body,) = bodies  # one worker
         self.down.append(body)
 
     # worker side
@@ -71,6 +67,9 @@ class OneMasterChannel:
             self.fail_next_up = False
             raise ChannelBroken("scripted: the worker's message did not arrive")
         self.master_step()
+
+    def recv_relayed(self):
+        return []
 
     def recv_down(self):
         if self.fail_next_down:

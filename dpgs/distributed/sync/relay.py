@@ -1,15 +1,17 @@
 """``downlink=gradients`` (the default): every rank takes the master's optimizer step itself.
 
-Workers send their gradient sums (raw float32 at keep ratio 1, top-k payloads below). The master sends
-every worker one frame (``dpgs.distributed.frames``) holding either the other P - 1 workers' payloads
-(``KIND_GRADIENTS``, when they are smaller than the dense sum; a worker's own payload is not sent back to
-it, it kept it) or the dense sum of the workers' gradients (``KIND_SUM``), with the clip factor and the
-merged buffers. Every rank then forms the same sum in worker
+Workers send their gradient sums (raw float32 at keep ratio 1, top-k payloads below). When the other
+P - 1 workers' payloads are smaller than the dense sum, the master relays them: it forwards each worker's
+payload to every other worker while it gathers them (``Channel.gather_up``'s ``forward``: over gloo piece by
+piece as they arrive, so its link carries the step's bytes up and down at once), and then sends one frame
+(``dpgs.distributed.frames``, ``KIND_GRADIENTS``) with the clip factor and the merged buffers; a worker's
+own payload is not sent back to it, it kept it. Otherwise the frame holds the dense sum of the workers'
+gradients (``KIND_SUM``). Every rank then forms the same sum in worker
 order, divides by the step's bag count B and takes the same optimizer step
 (``dpgs.train.optim.optimizer_step``; the same thread count on every rank keeps it bit for bit), so the
 workers hold exactly the master's weights and optimizer state after every step, compressed or not.
 
-Without gradient clipping the payloads are relayed before the master decodes them (the workers decode
+Without gradient clipping the frame goes before the master decodes the payloads (the workers decode
 meanwhile), and the dense sum is sent as soon as it is formed; with clipping the master first forms the
 mean gradient, whose norm sets the clip factor.
 """
@@ -20,7 +22,7 @@ import time
 
 import torch
 
-from dpgs.compression import ParamLayout
+from dpgs.compression import ParamLayout, PayloadError
 from dpgs.config.schema import CompressionConfig, TrainConfig
 from dpgs.distributed.codec import Uplink
 from dpgs.distributed.frames import (
@@ -64,58 +66,64 @@ class RelaySync:
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         start = time.perf_counter()
         channel.send_up(part.body)
+        relayed = channel.recv_relayed()
         data = channel.recv_down()
         received = time.perf_counter()
-        frame = decode_frame(data, parts_of={KIND_GRADIENTS: len(step.bags), KIND_SUM: 2},
-                             version=step.index + 1)
+        frame = decode_frame(data, parts_of={KIND_GRADIENTS: 1, KIND_SUM: 2}, version=step.index + 1)
         if frame.kind == KIND_SUM:
             total = frame.floats(0, replica.numel, "gradient sum")
         else:
-            me = worker_of(channel.rank)  # its own payload is not in the frame: it kept it
-            payloads = [*frame.parts[:me], part.body[: part.payload_bytes], *frame.parts[me:-1]]
+            if len(relayed) != len(step.bags) - 1:
+                raise PayloadError(f"a gradients frame after {len(relayed)} relayed payloads, expected "
+                                   f"{len(step.bags) - 1}")
+            me = worker_of(channel.rank)  # its own payload was not relayed to it: it kept it
+            payloads = [*relayed[:me], part.body[: part.payload_bytes], *relayed[me:]]
             total = self.uplink.sum_into(torch.zeros(replica.numel), payloads, step.counts(), step.keep_ratio)
         replica.step(total / step.n_bags, step.lr, frame.clip)
         replica.load_buffers(frame.buffers(replica.n_buffers))
         replica.version = step.index + 1
-        return Received(data.numel(), received - start, time.perf_counter() - received)
+        down = data.numel() + sum(r.numel() for r in relayed)
+        return Received(down, received - start, time.perf_counter() - received)
 
     # ---------------------------------------------------------------- master
     def master(self, channel: Channel, step: StepPlan, replica: Replica) -> MasterStep:
         start = time.perf_counter()
-        grads, buffers = split_up(channel.gather_up(), replica)
+        tail = 8 * replica.n_buffers  # each message up ends with the worker's buffers
+
+        def forward(sizes: list[int]) -> list[int] | None:
+            """Relay the payloads when the other P - 1 are smaller than the dense sum."""
+            payloads = [s - tail for s in sizes]
+            small = sum(payloads) - min(payloads) < 4 * replica.numel
+            return payloads if step.keep_ratio < 1.0 and min(payloads) >= 0 and small else None
+
+        bodies = channel.gather_up(forward=forward)
+        relay = forward([b.numel() for b in bodies]) is not None
+        grads, buffers = split_up(bodies, replica)
         merged = None if buffers is None else buffers / step.n_bags
         waited = time.perf_counter()
-        sizes = [g.numel() for g in grads]
-        relay = step.keep_ratio < 1.0 and sum(sizes) - min(sizes) < 4 * replica.numel
         broken: list[ChannelBroken] = []
-        sending, down = 0.0, 0
+        sending = 0.0
 
         def send(kind: int, clip: float, parts: list[torch.Tensor]) -> int:
-            """Send the frame (``KIND_GRADIENTS``: each worker's without its own payload); a failure is
-            raised only once the master has taken the step too (the live workers take it whatever happens
-            to another one). Returns the bytes of the largest frame."""
+            """Send the frame; a failure is raised only once the master has taken the step too (the live
+            workers take it whatever happens to another one). Returns the frame's bytes."""
             nonlocal sending
             begun = time.perf_counter()
-            version, tail = step.index + 1, buffers_part(merged)
+            frame = encode_frame(kind, step.index + 1, clip, [*parts, buffers_part(merged)])
             try:
-                if kind == KIND_GRADIENTS:
-                    frames = [encode_frame(kind, version, clip, [*parts[:w], *parts[w + 1 :], tail])
-                              for w in range(len(parts))]
-                    channel.send_each(frames)
-                else:
-                    frames = [encode_frame(kind, version, clip, [*parts, tail])]
-                    channel.send_down(frames[0])
+                channel.send_down(frame)
             except ChannelBroken as err:
                 broken.append(err)
             sending += time.perf_counter() - begun
-            return max(f.numel() for f in frames)
+            return frame.numel()
 
-        # Without clipping the frame does not wait for the mean gradient and its norm: the payloads go
-        # before the master decodes them, the dense sum as soon as it is formed (the workers decode and step
+        # Without clipping the frame does not wait for the mean gradient and its norm: the relay's goes before
+        # the master decodes the payloads, the dense sum as soon as it is formed (the workers decode and step
         # meanwhile); with clipping the mean gradient's norm sets the clip factor first.
         clip_first = self.grad_clip is not None
+        down = 0
         if relay and not clip_first:
-            down = send(KIND_GRADIENTS, 1.0, grads)
+            down = send(KIND_GRADIENTS, 1.0, [])
         total = self.uplink.sum_into(torch.zeros(replica.numel), grads, step.counts(), step.keep_ratio)
         if not relay and not clip_first:
             down = send(KIND_SUM, 1.0, [as_part(total)])
@@ -123,7 +131,10 @@ class RelaySync:
         decoded = time.perf_counter()
         before_decoded = sending
         if clip_first:
-            down = send(KIND_GRADIENTS, clip, grads) if relay else send(KIND_SUM, clip, [as_part(total)])
+            down = send(KIND_GRADIENTS, clip, []) if relay else send(KIND_SUM, clip, [as_part(total)])
+        if relay:
+            sizes = [g.numel() for g in grads]
+            down += sum(sizes) - min(sizes)  # relayed during the gather
         relayed = time.perf_counter()
         replica.step(grad, step.lr, clip)  # the workers take the same step meanwhile
         replica.load_buffers(merged)
