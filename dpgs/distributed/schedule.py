@@ -167,15 +167,29 @@ class StepCosts:
         ratio run is charged what the smallest one cost: G was measured on ResNet-18's gradient, and on a
         small model the fixed costs are most of the codec, so a step at 0.1 % costs nearly what one at 25 %
         does (measured on the ABMIL head, 2026-11-27: scaled down from 25 %, 10 % looked 5x cheaper than
-        dense, ran, and was not). 0 for dense, and while no compressed step has run."""
+        dense, ran, and was not). Once two compressed ratios have run, a ratio below both is charged along
+        the line through what they spent (never more than the smaller one's): the run's own measure of
+        how the overhead grows (ResNet-18 at 1 Gbit/s, 2026-11-27: 25 % and 10 % spent 0.56 s and 0.24 s,
+        and charged 10 %'s cost, 1 % was never tried while 10 % ran at 1.24x the compute). 0 for dense, and
+        while no compressed step has run."""
         run = [k for k in self.codec if k < 1.0]  # observe() measures a ratio's codec with its exchange
         if keep >= 1.0 or not run:
             return 0.0
+
+        def spent(n: float) -> float:
+            return max(self.exchange[n] - link_seconds(n), 0.0) if n in self.exchange else self.codec[n]
+
+        lowest = sorted(run)[:2]
+        if keep < lowest[0] and len(lowest) == 2:
+            # below every ratio run, once two were: along the line through the two smallest, which the run
+            # itself measured (flat on a small model, steep on ResNet-18), never above the smallest's cost
+            (a, b), (cost_a, cost_b) = lowest, map(spent, lowest)
+            slope = max((cost_b - cost_a) / (b - a), 0.0)
+            return max(cost_a - slope * (a - keep), 0.0)
         keep = self._charged_as(keep)
         n = min(run, key=lambda k: abs(math.log(k / keep)))
-        base = max(self.exchange[n] - link_seconds(n), 0.0) if n in self.exchange else self.codec[n]
         growth = self.codec[n] * CODEC_GROWTH * (keep - n) / (1.0 + CODEC_GROWTH * n)
-        return max(base + growth, 0.0)
+        return max(spent(n) + growth, 0.0)
 
     def codec_floor(self, keep: float) -> float:
         """The codec seconds auto charges at least at ``keep``: the cost of the largest ratio measured at or

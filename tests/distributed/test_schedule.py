@@ -183,6 +183,11 @@ def test_step_costs_per_keep_ratio_from_the_steps():
     costs.codec[0.25], costs.exchange[0.25] = 0.5, 1.5
     link_s = {0.25: 1.0, 0.1: 0.4, 0.01: 0.05, 0.001: 0.02}.__getitem__
     assert costs.overhead_at(0.1, link_s) == pytest.approx(0.5 - 0.5 * g * 0.15 / (1 + 0.25 * g))
+    # below every ratio run, once two have run: along the line through what the two smallest spent
+    # (0.15 at 1 %, 0.5 at 25 %), never more than the smallest's; flat where the larger spent less
+    assert costs.overhead_at(0.001, link_s) == pytest.approx(0.15 - (0.5 - 0.15) / 0.24 * 0.009)
+    costs.exchange[0.25] = 1.1  # 25 % spent 0.1, less than 1 % did: a small model's fixed costs
+    assert costs.overhead_at(0.001, link_s) == pytest.approx(0.15)
     # the least codec time that decides whether to probe: the largest ratio run at or below; below every
     # compressed ratio run, the smallest one's; a dense step's never stands for a compressed one's
     assert costs.codec_floor(0.3) == costs.codec[0.25] and costs.codec_floor(0.1) == costs.codec[0.01]
@@ -194,6 +199,26 @@ def test_step_costs_per_keep_ratio_from_the_steps():
     # only the codec measured: it stands for the overhead, and grows as the codec does
     assert first.overhead_at(0.01, link_s) == pytest.approx(0.045 * (1 + 0.01 * g) / (1 + 0.001 * g))
     assert StepCosts().overhead_at(0.01, link_s) == 0.0  # nothing compressed has run
+
+
+def test_a_measured_ratio_over_the_budget_lets_auto_go_down_to_one_that_fits():
+    """ResNet-18 at 1 Gbit/s on the lab (2026-11-27): after the warm-up's 25 % (0.6 s a step beyond the
+    compute) auto took 10 %, which spent 0.26 s against a budget of 0.11 s. Charged what 10 % cost, 1 %
+    looked no cheaper and auto kept 10 % (1.24x the compute) for five epochs; along the line through 25 %
+    and 10 %, 1 % fits and is chosen."""
+    schedule = KeepSchedule(CompressionConfig(keep_ratio="auto"))
+    gbit = link(1000.0)
+
+    def link_s(k):
+        return gbit.exchange_seconds(*model().per_worker(k), overlapped=model().relayed(k))
+
+    for keep, spent, codec in ((0.25, 0.56, 0.45), (0.1, 0.24, 0.2)):
+        schedule.costs.codec[keep], schedule.costs.exchange[keep] = codec, spent + link_s(keep)
+    decision = schedule.decide(gbit, 1.08, model())
+    assert decision.ratio == 0.01 and decision.exchange_seconds <= 0.1 * 1.08
+    assert schedule.costs.overhead_at(0.01, link_s) < 0.05
+    del schedule.costs.codec[0.25], schedule.costs.exchange[0.25]  # 10 % alone: 1 % charged its cost
+    assert schedule.costs.overhead_at(0.01, link_s) == pytest.approx(0.24)
 
 
 def test_auto_chooses_dense_on_loopback_where_the_codec_costs_more_than_the_link_saves():
