@@ -53,3 +53,21 @@ def test_link_watch_reprobes_once_the_last_probe_is_a_small_share_of_the_time_si
     assert watch.due(now=10.0 + 0.7 / PROBE_SHARE)
     watch.record(probe, taken_at=30.0, cost_s=0.001)  # a cheap probe (a fast link) is repeated every epoch
     assert watch.due(now=30.1)
+
+
+def test_an_emulated_link_also_waits_for_the_heads_the_master_forwards():
+    """``dpgs.emulate_bandwidth_mbps`` charges a worker the relayed payloads it receives, as the bytes
+    they are: 100 kB forwarded at 8 Mbit/s take 0.1 s."""
+    import time
+
+    import torch
+
+    wire = Wire(2)
+    slow = EmulatedLink(wire.worker(0), 8.0)
+    slow.send_up(torch.zeros(10, dtype=torch.uint8))
+    wire.worker(1).send_up(torch.full((100_000,), 7, dtype=torch.uint8))
+    wire.master().gather_up(forward=lambda sizes: sizes)
+    start = time.perf_counter()
+    (head,) = slow.recv_relayed()
+    assert time.perf_counter() - start >= 0.1
+    assert head.numel() == 100_000 and int(head[0]) == 7
