@@ -91,6 +91,28 @@ class GlooChannel:
         self.arrivals: list[float] = []  # when each worker's message of the last gather arrived
         self._relayed: tuple | None = None  # worker: (heads, their receives) forwarded, not yet taken
 
+    def _post(self, send: bool, tensor: torch.Tensor, peer: int, tag: int):
+        """Post a send or a receive; a connection already broken raises ChannelBroken at once (gloo raises
+        it from the post itself), the peer marked dead."""
+        try:
+            return (self._group.send if send else self._group.recv)([tensor], peer, tag)
+        except RuntimeError as err:
+            self.dead.add(peer)
+            raise ChannelBroken(f"rank {self.rank}: posting to rank {peer} failed: {err}") from err
+
+    def _post_each(self, posts: list[tuple[bool, torch.Tensor, int, int]], failed: list[str]) -> list:
+        """Master: :meth:`_post` each ``(send, tensor, peer, tag)`` to a live peer; ``(peer, work)`` of those
+        posted, the failures' messages appended to ``failed``."""
+        works = []
+        for send, tensor, peer, tag in posts:
+            if peer in self.dead:
+                continue
+            try:
+                works.append((peer, self._post(send, tensor, peer, tag)))
+            except ChannelBroken as err:
+                failed.append(str(err))
+        return works
+
     def _wait(self, work, peer: int, what: str) -> None:
         try:
             work.wait(self.timeout)  # the group's own deadline is the join's
@@ -104,15 +126,15 @@ class GlooChannel:
         receives of what it forwards are posted before this worker waits for its own sends to complete."""
         self._settle()
         size = torch.tensor([body.numel()], dtype=torch.int64)
-        sends = [self._group.send([size], MASTER_RANK, _SIZE_TAG)]
-        sends += [self._group.send([body[lo:hi]], MASTER_RANK, _BODY_TAG) for lo, hi in pieces(body.numel())]
+        sends = [self._post(True, size, MASTER_RANK, _SIZE_TAG)]
+        sends += [self._post(True, body[lo:hi], MASTER_RANK, _BODY_TAG) for lo, hi in pieces(body.numel())]
         route = torch.zeros(self.world - 1, dtype=torch.int64)
-        self._wait(self._group.recv([route], MASTER_RANK, _ROUTE_TAG), MASTER_RANK, "receiving the route")
+        self._wait(self._post(False, route, MASTER_RANK, _ROUTE_TAG), MASTER_RANK, "receiving the route")
         counts = route.tolist()
         if counts[0] != NO_RELAY:
             origins = [w for w in range(self.world - 1) if w != worker_of(self.rank)]
             heads = [torch.empty(counts[w], dtype=torch.uint8) for w in origins]
-            works = [self._group.recv([head[lo:hi]], MASTER_RANK, _RELAY_TAG + w)
+            works = [self._post(False, head[lo:hi], MASTER_RANK, _RELAY_TAG + w)
                      for w, head in zip(origins, heads, strict=True) for lo, hi in pieces(head.numel())]
             self._relayed = (heads, works)
         for work in sends:
@@ -135,12 +157,12 @@ class GlooChannel:
     def recv_down(self) -> torch.Tensor:
         self._settle()
         size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self._group.recv([size], MASTER_RANK, _SIZE_TAG), MASTER_RANK, "receiving the size")
+        self._wait(self._post(False, size, MASTER_RANK, _SIZE_TAG), MASTER_RANK, "receiving the size")
         if int(size) == ABORT_SIZE:
             raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
         body = torch.empty(int(size), dtype=torch.uint8)
         if body.numel():
-            self._wait(self._group.recv([body], MASTER_RANK, _BODY_TAG), MASTER_RANK, "receiving a message")
+            self._wait(self._post(False, body, MASTER_RANK, _BODY_TAG), MASTER_RANK, "receiving a message")
         return body
 
     # ---------------------------------------------------------------- master
@@ -162,18 +184,18 @@ class GlooChannel:
         only inside ``wait``), which forwards its pieces as they arrive."""
         workers = [r for r in range(1, self.world) if r not in self.dead]
         sizes = {r: torch.zeros(1, dtype=torch.int64) for r in workers}
-        failed = self._wait_all(
-            [(r, self._group.recv([sizes[r]], r, _SIZE_TAG)) for r in workers], "receiving the size"
-        )
+        failed: list[str] = []
+        failed += self._wait_all(self._post_each([(False, sizes[r], r, _SIZE_TAG) for r in workers], failed),
+                                 "receiving the size")
         counts = None
         if forward is not None and not failed and len(workers) == self.world - 1:
             counts = forward([int(sizes[r]) for r in workers])
-        sends = [(r, self._group.send([self._route_for(r, counts)], r, _ROUTE_TAG)) for r in workers
-                 if r not in self.dead]
+        sends = self._post_each([(True, self._route_for(r, counts), r, _ROUTE_TAG) for r in workers], failed)
         bodies = {r: torch.empty(int(sizes[r]), dtype=torch.uint8) for r in workers if r not in self.dead}
         self.arrivals = [time.perf_counter()] * (self.world - 1)  # empty messages: arrived with their size
         with ThreadPoolExecutor(max_workers=max(len(bodies), 1)) as pool:
-            results = list(pool.map(lambda r: self._take_message(r, bodies[r], counts, sends), list(bodies)))
+            results = list(pool.map(lambda r: self._take_message(r, bodies[r], counts, sends, failed),
+                                    list(bodies)))
         failed += [r for r in results if r is not None]
         failed += self._wait_all(sends, "relaying")
         if failed or len(workers) < self.world - 1:
@@ -187,38 +209,38 @@ class GlooChannel:
         return torch.tensor([0 if w == own else n for w, n in enumerate(counts)], dtype=torch.int64)
 
     def _take_message(self, rank: int, body: torch.Tensor, counts: list[int] | None,
-                      sends: list[tuple[int, Any]]) -> str | None:
+                      sends: list[tuple[int, Any]], failed: list[str]) -> str | None:
         """Receive ``rank``'s message piece by piece, forwarding each piece's share of its head to every other
-        live worker as it arrives (zeros once the message broke off); the failure's message, or None."""
+        live worker as it arrives (zeros once the message broke off; a forward that cannot be posted goes to
+        ``failed``); the failure's message, or None."""
         head = 0 if counts is None else counts[worker_of(rank)]
-        receivers = [r for r in range(1, self.world) if r != rank]
-        works = [self._group.recv([body[lo:hi]], rank, _BODY_TAG) for lo, hi in pieces(body.numel())]
-        failure = None
-        for work, (lo, hi) in zip(works, pieces(body.numel()), strict=True):
+        works, failure = [], None
+        try:  # every piece's receive at once, so the worker's sends never wait for one
+            works = [self._post(False, body[lo:hi], rank, _BODY_TAG) for lo, hi in pieces(body.numel())]
+        except ChannelBroken as err:
+            failure = str(err)
+        for index, (lo, hi) in enumerate(pieces(body.numel())):
             if failure is None:
                 try:
-                    self._wait(work, rank, "receiving a message")
+                    self._wait(works[index], rank, "receiving a message")
                 except ChannelBroken as err:
                     failure = str(err)
             if lo < head:
-                piece = body[lo : min(hi, head)] if failure is None else torch.zeros(min(hi, head) - lo,
-                                                                                      dtype=torch.uint8)
-                sends += [(r, self._group.send([piece], r, _RELAY_TAG + worker_of(rank)))
-                          for r in receivers if r not in self.dead]
+                end = min(hi, head)
+                piece = body[lo:end] if failure is None else torch.zeros(end - lo, dtype=torch.uint8)
+                others = [r for r in range(1, self.world) if r != rank]
+                sends += self._post_each([(True, piece, r, _RELAY_TAG + worker_of(rank)) for r in others],
+                                         failed)
         self.arrivals[worker_of(rank)] = time.perf_counter()
         return failure
 
     def send_down(self, body: torch.Tensor) -> None:
         """Every live worker gets ``body`` even when another worker's connection failed."""
-        works = []
-        for r in range(1, self.world):
-            if r in self.dead:
-                continue
-            size = torch.tensor([body.numel()], dtype=torch.int64)
-            works.append((r, self._group.send([size], r, _SIZE_TAG)))
-            if body.numel():
-                works.append((r, self._group.send([body], r, _BODY_TAG)))
-        failed = self._wait_all(works, "sending down")
+        size = torch.tensor([body.numel()], dtype=torch.int64)
+        posts = [(True, part, r, tag) for r in range(1, self.world)
+                 for part, tag in ((size, _SIZE_TAG), (body, _BODY_TAG)) if part.numel()]
+        failed: list[str] = []
+        failed += self._wait_all(self._post_each(posts, failed), "sending down")
         if failed or self.dead:
             raise ChannelBroken("; ".join(failed) or f"ranks {sorted(self.dead)} are gone")
 
@@ -229,10 +251,8 @@ class GlooChannel:
             except ChannelBroken:
                 pass  # the failed ones are now marked dead
         size = torch.tensor([ABORT_SIZE], dtype=torch.int64)
-        self._wait_all(
-            [(r, self._group.send([size], r, _SIZE_TAG)) for r in range(1, self.world) if r not in self.dead],
-            "sending an abort",
-        )
+        self._wait_all(self._post_each([(True, size, r, _SIZE_TAG) for r in range(1, self.world)], []),
+                       "sending an abort")
 
     def close(self) -> None:
         self._group = None

@@ -178,3 +178,48 @@ def test_a_worker_that_dies_mid_message_lets_the_others_reach_the_abort():
     assert first and rest == 0  # the piece that arrived, then zeros
     assert "aborted the exchange" in error
     assert time.monotonic() - started < 60  # not the 60 s exchange deadline
+
+
+def test_a_connection_broken_before_a_post_is_a_channel_fault_not_a_crash():
+    """gloo raises from the post itself (not from ``wait``) when a connection is already closed, as after a
+    partition heals; the master must see ChannelBroken with the peer marked dead, and still take the live
+    worker's message and send it the route, so that the driver re-forms the group (lab, 2026-11-27: a
+    RuntimeError there ended the run with "the master failed")."""
+    from dpgs.distributed import gloo
+    from dpgs.distributed.transport import ChannelBroken
+
+    class Work:
+        def __init__(self, fill=None):
+            self.fill = fill
+
+        def wait(self, timeout=None):
+            if self.fill:
+                self.fill()
+
+    class Group:
+        posted: list = []
+
+        def _check(self, peer):
+            if peer == 2:
+                raise RuntimeError("Connection closed by peer [10.0.0.2]:1234")
+
+        def recv(self, tensors, peer, tag):
+            self._check(peer)
+            t = tensors[0]
+            return Work(lambda: t.fill_(3 if tag == gloo._SIZE_TAG else peer))
+
+        def send(self, tensors, peer, tag):
+            self._check(peer)
+            self.posted.append((peer, tag))
+            return Work()
+
+    channel = object.__new__(GlooChannel)
+    channel.rank, channel.world, channel.timeout = 0, 3, None
+    channel.dead, channel.arrivals, channel._relayed, channel._group = set(), [], None, Group()
+    with pytest.raises(ChannelBroken, match="posting to rank 2 failed"):
+        channel.gather_up(forward=lambda sizes: sizes)
+    assert channel.dead == {2}
+    assert (1, gloo._ROUTE_TAG) in Group.posted  # the live worker got its route (nothing forwarded)
+    with pytest.raises(ChannelBroken, match="rank"):
+        channel.send_down(torch.arange(4, dtype=torch.uint8))
+    assert (1, gloo._BODY_TAG) in Group.posted
