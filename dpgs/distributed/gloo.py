@@ -185,8 +185,8 @@ class GlooChannel:
         workers = [r for r in range(1, self.world) if r not in self.dead]
         sizes = {r: torch.zeros(1, dtype=torch.int64) for r in workers}
         failed: list[str] = []
-        failed += self._wait_all(self._post_each([(False, sizes[r], r, _SIZE_TAG) for r in workers], failed),
-                                 "receiving the size")
+        size_recvs = self._post_each([(False, sizes[r], r, _SIZE_TAG) for r in workers], failed)
+        failed += self._wait_all(size_recvs, "receiving the size")
         counts = None
         if forward is not None and not failed and len(workers) == self.world - 1:
             counts = forward([int(sizes[r]) for r in workers])
@@ -214,6 +214,7 @@ class GlooChannel:
         live worker as it arrives (zeros once the message broke off; a forward that cannot be posted goes to
         ``failed``); the failure's message, or None."""
         head = 0 if counts is None else counts[worker_of(rank)]
+        others = [(r, _RELAY_TAG + worker_of(rank)) for r in range(1, self.world) if r != rank]
         works, failure = [], None
         try:  # every piece's receive at once, so the worker's sends never wait for one
             works = [self._post(False, body[lo:hi], rank, _BODY_TAG) for lo, hi in pieces(body.numel())]
@@ -228,9 +229,7 @@ class GlooChannel:
             if lo < head:
                 end = min(hi, head)
                 piece = body[lo:end] if failure is None else torch.zeros(end - lo, dtype=torch.uint8)
-                others = [r for r in range(1, self.world) if r != rank]
-                sends += self._post_each([(True, piece, r, _RELAY_TAG + worker_of(rank)) for r in others],
-                                         failed)
+                sends += self._post_each([(True, piece, r, tag) for r, tag in others], failed)
         self.arrivals[worker_of(rank)] = time.perf_counter()
         return failure
 
@@ -240,7 +239,8 @@ class GlooChannel:
         posts = [(True, part, r, tag) for r in range(1, self.world)
                  for part, tag in ((size, _SIZE_TAG), (body, _BODY_TAG)) if part.numel()]
         failed: list[str] = []
-        failed += self._wait_all(self._post_each(posts, failed), "sending down")
+        sends = self._post_each(posts, failed)
+        failed += self._wait_all(sends, "sending down")
         if failed or self.dead:
             raise ChannelBroken("; ".join(failed) or f"ranks {sorted(self.dead)} are gone")
 

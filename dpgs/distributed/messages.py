@@ -102,7 +102,7 @@ class MasterStep:
     decode_seconds: float
     optimizer_seconds: float
     encode_seconds: float  # downlink frame (and weight delta) encoding
-    down_bytes: int  # bytes each worker receives (the largest frame, where each gets its own)
+    down_bytes: int  # bytes down to the worker that receives the most: the frame and what was relayed to it
     down_dense_bytes: int
     step_seconds: float  # wall time since the previous step ended (or the chunk started)
 
