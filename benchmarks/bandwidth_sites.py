@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.lab.netlab
 
+from dpgs.distributed.runtime import RAY_NODE_ENV  # noqa: E402
 from tests.lab.netlab import Lab, LabError  # noqa: E402
 
 RAY_PORT = 6379
@@ -165,8 +166,9 @@ class LabSite:
         token = self.local_root / "ray-auth-token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
+        # and the settings every node of a dpgs cluster starts Ray with (configs/cluster.yaml)
         self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": f"{self.site_root}/ray-auth-token",
-                    "REPORTER_UPDATE_INTERVAL_MS": str(NODE_STATS_INTERVAL_MS)}
+                    "REPORTER_UPDATE_INTERVAL_MS": str(NODE_STATS_INTERVAL_MS), **RAY_NODE_ENV}
 
     # ---------------------------------------------------------------- Ray
     def start_ray(self, log) -> None:

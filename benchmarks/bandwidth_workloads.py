@@ -39,7 +39,12 @@ METHODS = [*DPGS_METHODS, *DDP_METHODS]
 TILE_TUMOUR_CONTRAST = 0.4
 TILE_SLIDES = 72
 TILE_SPLITS = {"train": 24, "val": 24, "test": 24}  # whole runs: 12 steps of B = 2 an epoch
-QUICK_SPLITS = {"train": 8, "val": 2, "test": 2}  # --quick: 4 steps of B = 2 (and both classes)
+QUICK_STEPS = 4  # --quick: steps of B = P bags, with 2 validation and 2 test slides (both classes)
+
+
+def quick_splits(workers: int) -> dict[str, int]:
+    """The --quick split at P = ``workers``: ``QUICK_STEPS`` steps of one bag per worker."""
+    return {"train": QUICK_STEPS * workers, "val": 2, "test": 2}
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class Workload:
     @property
     def manifest_name(self) -> str:
         if self.key == "tiles":
-            return "manifest-quick.csv" if self.quick else "manifest-bench.csv"
+            return f"manifest-quick-B{self.batch}.csv" if self.quick else "manifest-bench.csv"
         return "manifest.csv"
 
 
@@ -131,7 +136,7 @@ def prepare(w: Workload, cache: Path, log=print) -> Path:
         done.write_text("ok\n")
     if w.key == "tiles" and not (folder / w.manifest_name).exists():
         write_split_manifest(folder / "manifest.csv", folder / w.manifest_name,
-                             QUICK_SPLITS if w.quick else TILE_SPLITS)
+                             quick_splits(w.batch) if w.quick else TILE_SPLITS)
     return folder
 
 

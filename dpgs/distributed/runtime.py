@@ -24,6 +24,17 @@ from dpgs.errors import RunFailure
 from dpgs.interrupts import keep_signal_handlers
 from dpgs.runwatch import WATCHER
 
+RAY_NODE_ENV = {"RAY_object_manager_pull_timeout_ms": "60000"}
+"""Settings every Ray node of a dpgs cluster is started with (``configs/cluster*.yaml`` export them in their
+``ray start`` commands; docs/cluster.md). Ray's object manager asks again for an object it has not received
+``object_manager_pull_timeout_ms`` after asking (Ray's default: 10 s), and the sender then sends it a
+second time while the first copy is still arriving. An object that takes longer than that on a slow link
+therefore crosses it twice: measured on the lab at 100 Mbit/s with 3 workers, each worker received the
+fold's 46 MB of start weights (22 s through the head's link) twice, and again the test weights at the end.
+60 s covers what dpgs sends through Ray (weights, evaluation weights, residuals for the checkpoint) up to
+750 MB a link at 100 Mbit/s; a pull that really failed (its source gone) is retried after 60 s instead of
+10 s, well within ``dpgs.call_timeout_s``."""
+
 
 class ClusterError(RunFailure):
     """Ray cannot be reached or cannot host the requested workers."""

@@ -10,7 +10,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from bandwidth_workloads import TILE_SPLITS, TILE_TUMOUR_CONTRAST, workload, write_split_manifest  # noqa: E402
+from bandwidth_workloads import (  # noqa: E402
+    QUICK_STEPS,
+    TILE_SPLITS,
+    TILE_TUMOUR_CONTRAST,
+    quick_splits,
+    workload,
+    write_split_manifest,
+)
 
 
 def _manifest(path: Path, per_label: int) -> Path:
@@ -51,3 +58,12 @@ def test_whole_tile_runs_have_the_bench_splits_and_enough_slides():
     assert w.data_dir == f"tiles-{w.bags}-contrast{TILE_TUMOUR_CONTRAST:g}"
     assert w.bags >= sum(TILE_SPLITS.values())
     assert TILE_SPLITS["train"] // w.batch == 12  # steps an epoch
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_quick_tile_runs_take_the_same_steps_at_every_p_from_their_own_manifest(workers):
+    w = workload("tiles", quick=True, workers=workers)
+    splits = quick_splits(w.batch)
+    assert splits["train"] // w.batch == QUICK_STEPS  # one bag per worker per step, at any P
+    assert w.manifest_name == f"manifest-quick-B{workers}.csv"  # another P's manifest is never reused
+    assert w.bags >= sum(splits.values())

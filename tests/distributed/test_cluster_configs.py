@@ -17,6 +17,8 @@ from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.scripts.scripts import start as ray_start
 
+from dpgs.distributed.runtime import RAY_NODE_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ["cluster.yaml", "cluster-aws.yaml"]
 BLOCK = re.compile(
@@ -116,6 +118,21 @@ def test_docker_shm_token_auth_and_images(name):
     images = {v for k, v in config["docker"].items() if k.endswith("image")}
     assert images and all(f"docker push {image}" in docs for image in images)
     assert config["file_mounts"]["/opt/dpgs-src"] == "."
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_node_starts_ray_with_dpgs_node_settings(name):
+    """Head and workers export RAY_NODE_ENV before `ray start` (a raylet reads RAY_* settings when it
+    starts): without the pull timeout, an object slower than 10 s on a link crosses it twice."""
+    config = load(name)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        exported: dict[str, str] = {}
+        for c in commands(config[key]):
+            if c[:2] == ["ray", "start"]:
+                break
+            if c[0] == "export":
+                exported.update(a.split("=", 1) for a in c[1:] if "=" in a)
+        assert {k: exported.get(k) for k in RAY_NODE_ENV} == RAY_NODE_ENV, key
 
 
 def start_params(config: dict, key: str) -> dict:
