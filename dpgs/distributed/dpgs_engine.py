@@ -282,7 +282,8 @@ class DpgsEngine:
     def save_epoch(self, end: EpochEnd) -> None:
         """The master writes the weights files and the checkpoint that resumes at epoch ``end.epoch + 1``
         while the driver goes on (``RankGroup.save_epoch``): per epoch, the weights no longer travel to the
-        driver, and the writes overlap the driver's logging and the workers' first step."""
+        driver, and the writes overlap the driver's logging and the workers' first step (a large state's,
+        the next chunk: ``Master.save_epoch``)."""
         driver = self._driver_state(end.epoch + 1, 0, end.history)
         files = [str(Path(p).resolve()) for p in end.weights_files]  # the master runs in another directory
         self.group.save_epoch(files, str(self.out_dir / CHECKPOINT_FILE), driver)

@@ -189,13 +189,17 @@ class RankGroup:
     def sync_states(self) -> list:
         """Each worker's step-synchronisation state (None for a worker that does not answer)."""
         states = []
-        refs = self.asked.sync_states if self.asked else self.workers.call("sync_state")  # all at once
-        for ref in refs:
+        for ref in self._sync_state_refs():
             try:
                 states.append(self._get(ref))
             except (RayActorError, GetTimeoutError):
                 states.append(None)
         return states
+
+    def _sync_state_refs(self) -> list:
+        """Object refs of every worker's step-synchronisation state: those asked ahead, else asked now (all
+        at once)."""
+        return list(self.asked.sync_states) if self.asked else self.workers.call("sync_state")
 
     @reports_ray_failures("writing the DPGS checkpoint")
     def save_checkpoint(self, path: str, driver: dict) -> str:
@@ -204,11 +208,12 @@ class RankGroup:
 
     def save_epoch(self, weights_files: list[str], path: str, driver: dict) -> None:
         """Have the master write an epoch's weights files and checkpoint (``Master.save_epoch``) without
-        waiting: it writes them before it runs the next chunk, while the driver logs the epoch and the
-        workers compute their first step. :meth:`wait_saved` waits (and is called first here: one epoch's
-        files at most are pending)."""
+        waiting for them: it copies its state and writes the files on a thread while the next chunk runs,
+        taking the workers' states from their object refs (asked ahead by :meth:`ask_state`), so neither
+        the driver nor the next chunk waits for the workers' states or the disk. :meth:`wait_saved` waits
+        (and is called first here: one epoch's files at most are pending)."""
         self.wait_saved()
-        self.saving = self.master.save_epoch.remote(weights_files, path, driver, self.sync_states())
+        self.saving = self.master.save_epoch.remote(weights_files, path, driver, self._sync_state_refs())
 
     @reports_ray_failures("writing the epoch's weights files and checkpoint")
     def wait_saved(self) -> None:
@@ -218,7 +223,8 @@ class RankGroup:
             return
         ref, self.saving = self.saving, None
         try:
-            self._get(ref)
+            self._get(ref)  # the master's state copied
+            self._get(self.master.saved.remote())  # and the files written
         except RayTaskError as err:
             if isinstance(err.cause, OSError):
                 raise err.cause from None

@@ -1,8 +1,12 @@
 """The master's side of a step when the channel breaks, with a scripted channel (no Ray): a failure before
 the update leaves the step untaken; a failure while sending it leaves the step taken (live workers got
-it), and the master then takes the live workers' next message before aborting them."""
+it), and the master then takes the live workers' next message before aborting them. And its epoch files,
+written on a thread while the next steps run."""
 
 from __future__ import annotations
+
+import sys
+import threading
 
 import pytest
 import torch
@@ -87,3 +91,77 @@ def test_failure_while_sending_the_last_update_of_a_chunk_completes_it():
     result = master.run_chunk(ChunkPlan(plan.steps[:1]))
     assert master.version() == 1 and result.interrupted_at is None
     assert master.channel.calls == ["gather_up", "send_down"]  # the live workers finished the chunk
+
+
+def test_epoch_files_hold_the_state_save_epoch_was_called_at_though_the_master_stepped_first(
+        tmp_path, monkeypatch):
+    """``save_epoch`` returns once the state is copied; the next step runs while the files are written
+    (held back here until after it), and the files hold the epoch's end, not the step after it."""
+    master, bodies, plan = master_and_bodies(0.1)
+    module = sys.modules[Master.__module__]
+    gate, write = threading.Event(), module.save_torch_atomically
+
+    def held_back(obj, path):
+        assert gate.wait(30)
+        return write(obj, path)
+
+    monkeypatch.setattr(module, "save_torch_atomically", held_back)
+    monkeypatch.setattr(module, "BACKGROUND_WRITE_BYTES", 0)  # this small state too
+    at_end = {k: v.clone() for k, v in master.model_state().items()}
+    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
+    master.save_epoch([str(tmp_path / "last.pt")], str(tmp_path / "checkpoint.pt"), driver, [])
+    assert not (tmp_path / "last.pt").exists()  # returned before writing
+    master.channel = ScriptedChannel(bodies, fail_on="")
+    assert master.run_chunk(ChunkPlan(plan.steps[:1])).interrupted_at is None
+    assert any(not torch.equal(v, at_end[k]) for k, v in master.model_state().items())
+    gate.set()
+    assert master.saved() == str(tmp_path / "checkpoint.pt")
+    assert master.saved() is None  # waited for once
+    weights = torch.load(tmp_path / "last.pt", weights_only=True)
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert all(torch.equal(weights[k], v) and torch.equal(checkpoint["master"]["model"][k], v)
+               for k, v in at_end.items())
+    assert checkpoint["master"]["step"] == 0 and checkpoint["workers"] == []
+
+
+def test_a_checkpoint_waits_for_the_epoch_files_being_written(tmp_path, monkeypatch):
+    """A checkpoint written while an epoch's files are pending (a failure, ``checkpoint_every``) comes
+    after them: the older epoch checkpoint never replaces it."""
+    master, bodies, plan = master_and_bodies(0.1)
+    module = sys.modules[Master.__module__]
+    gate, write = threading.Event(), module.save_torch_atomically
+
+    def held_back(obj, path):
+        assert gate.wait(30)
+        return write(obj, path)
+
+    monkeypatch.setattr(module, "save_torch_atomically", held_back)
+    monkeypatch.setattr(module, "BACKGROUND_WRITE_BYTES", 0)
+    path = str(tmp_path / "checkpoint.pt")
+    master.save_epoch([str(tmp_path / "last.pt")], path, {"epoch": 2, "step_in_epoch": 0, "history": [],
+                                                          "config": {}}, [])
+    master.channel = ScriptedChannel(bodies, fail_on="")
+    master.run_chunk(ChunkPlan(plan.steps[:1]))
+    threading.Timer(0.2, gate.set).start()
+    master.save_checkpoint(path, {"epoch": 2, "step_in_epoch": 1, "history": [], "config": {}}, [])
+    assert torch.load(path, weights_only=True)["master"]["step"] == 1
+
+
+def test_a_small_state_writes_its_epoch_files_before_save_epoch_returns(tmp_path):
+    """Below ``BACKGROUND_WRITE_BYTES`` no thread: the files are on disk when ``save_epoch`` returns."""
+    master, _, _ = master_and_bodies(0.1)
+    module = sys.modules[Master.__module__]
+    assert module.tensor_bytes(master.state_dict()) < module.BACKGROUND_WRITE_BYTES
+    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
+    master.save_epoch([str(tmp_path / "last.pt")], str(tmp_path / "checkpoint.pt"), driver, [])
+    assert (tmp_path / "last.pt").is_file() and (tmp_path / "checkpoint.pt").is_file()
+    assert master.saved() is None
+
+
+def test_tensor_bytes_counts_every_tensor_of_a_nested_state():
+    master, _, _ = master_and_bodies(0.1)
+    module = sys.modules[Master.__module__]
+    state = master.state_dict()
+    params = sum(p.numel() * 4 for p in master.replica.model.parameters())
+    assert module.tensor_bytes(state.model) == params
+    assert module.tensor_bytes({"a": [torch.zeros(3, dtype=torch.float64)], "b": (torch.zeros(2),)}) == 32
