@@ -34,11 +34,12 @@ from dpgs.records import MasterCheckpoint, save_checkpoint
 
 BACKGROUND_WRITE_BYTES = 64 << 20
 """A master state (weights, optimizer, step synchronisation) of at least this many bytes writes an epoch's
-files on a thread while the next chunk runs; a smaller one writes them before the chunk. Measured: the
-ResNet-18 tile model's 0.14 GB state plus the workers' residuals took the lab's master about 2 s to write,
-of which the next epoch's steps waited about 1.2 s; an ABMIL head's files take ~15 ms, and writing them
-on a thread made the MUSK1 k-fold command slower (126-128 s against 114-116 s: ``torch.save`` holds
-Python's lock while the master's short steps wait for it)."""
+files on a thread while the next chunk runs; a smaller one writes them before the chunk. Measured on the
+lab: with the ResNet-18 tile model (a 0.14 GB state, 0.3 GB of files with the workers' residuals), each
+epoch after the first spent 1.0-1.5 s of its training outside its steps while the master wrote before the
+chunk, 0.2-0.4 s with the thread. An ABMIL head's files take ~15 ms, and writing them on a thread made the
+MUSK1 k-fold command slower (126-128 s against 114-116 s: ``torch.save`` holds Python's lock while the
+master's short steps wait for it)."""
 
 
 def tensor_bytes(state) -> int:
@@ -157,8 +158,8 @@ class Master:
         if tensor_bytes(state) < BACKGROUND_WRITE_BYTES:
             self._write_epoch(weights_files, path, state, driver, workers)
             return
-        self.writing = self.writer.submit(self._write_epoch, weights_files, path, copy.deepcopy(state), driver,
-                                          list(workers))
+        copied, refs = copy.deepcopy(state), list(workers)
+        self.writing = self.writer.submit(self._write_epoch, weights_files, path, copied, driver, refs)
 
     def _write_epoch(self, weights_files: list[str], path: str, state: MasterCheckpoint, driver: dict,
                      workers: list) -> str:
