@@ -22,6 +22,7 @@ import ray
 import torch
 
 from dpgs.config import Config
+from dpgs.distributed.actors import answers_or_none
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkProbe, probe_as_master
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState
@@ -165,18 +166,9 @@ class Master:
                      workers: list) -> str:
         for file in weights_files:
             save_torch_atomically(state.model, file)
-        return str(save_checkpoint(path, state, driver, self._worker_states(workers)))
-
-    def _worker_states(self, refs: list) -> list:
-        """Each worker's state from its object ref; None for a worker that does not answer (as
-        ``RankGroup.sync_states``: the checkpoint then resumes that worker without its residual)."""
-        states = []
-        for ref in refs:
-            try:
-                states.append(ray.get(ref, timeout=self.timeout))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                states.append(None)
-        return states
+        # a worker that does not answer: None, as ``RankGroup.sync_states`` (resumed without its residual)
+        states = answers_or_none(workers, lambda ref: ray.get(ref, timeout=self.timeout))
+        return str(save_checkpoint(path, state, driver, states))
 
     def saved(self) -> str | None:
         """Wait for the files of :meth:`save_epoch`; returns the checkpoint's path (None: nothing was

@@ -91,6 +91,17 @@ def get_all(refs: list, timeout_s: float, what: str, watch: GcsWatch | None = No
     return ray.get(list(refs))
 
 
+def answers_or_none(refs: list, get: Callable[[ray.ObjectRef], object]) -> list:
+    """``get(ref)`` of each of ``refs`` in order; None for one whose actor died or did not answer in time."""
+    answers = []
+    for ref in refs:
+        try:
+            answers.append(get(ref))
+        except (RayActorError, GetTimeoutError):
+            answers.append(None)
+    return answers
+
+
 def prefetch(refs: list, timeout_s: float) -> None:
     """Start bringing the objects of ``refs`` to this node, in a daemon thread, and return at once.
 

@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dpgs.config.schema import DpgsConfig
-from dpgs.distributed.actors import PlacedActors, get_all, prefetch
+from dpgs.distributed.actors import PlacedActors, answers_or_none, get_all, prefetch
 from dpgs.distributed.failures import (
     POLL_S,
     ClusterLost,
@@ -188,13 +188,7 @@ class RankGroup:
 
     def sync_states(self) -> list:
         """Each worker's step-synchronisation state (None for a worker that does not answer)."""
-        states = []
-        for ref in self._sync_state_refs():
-            try:
-                states.append(self._get(ref))
-            except (RayActorError, GetTimeoutError):
-                states.append(None)
-        return states
+        return answers_or_none(self._sync_state_refs(), self._get)
 
     def _sync_state_refs(self) -> list:
         """Object refs of every worker's step-synchronisation state: those asked ahead, else asked now (all

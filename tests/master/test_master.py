@@ -93,11 +93,9 @@ def test_failure_while_sending_the_last_update_of_a_chunk_completes_it():
     assert master.channel.calls == ["gather_up", "send_down"]  # the live workers finished the chunk
 
 
-def test_epoch_files_hold_the_state_save_epoch_was_called_at_though_the_master_stepped_first(
-        tmp_path, monkeypatch):
-    """``save_epoch`` returns once the state is copied; the next step runs while the files are written
-    (held back here until after it), and the files hold the epoch's end, not the step after it."""
-    master, bodies, plan = master_and_bodies(0.1)
+def hold_back_writes(monkeypatch) -> threading.Event:
+    """Every state written on a thread (this small one too), each file held back until the returned event
+    is set."""
     module = sys.modules[Master.__module__]
     gate, write = threading.Event(), module.save_torch_atomically
 
@@ -106,7 +104,16 @@ def test_epoch_files_hold_the_state_save_epoch_was_called_at_though_the_master_s
         return write(obj, path)
 
     monkeypatch.setattr(module, "save_torch_atomically", held_back)
-    monkeypatch.setattr(module, "BACKGROUND_WRITE_BYTES", 0)  # this small state too
+    monkeypatch.setattr(module, "BACKGROUND_WRITE_BYTES", 0)
+    return gate
+
+
+def test_epoch_files_hold_the_state_save_epoch_was_called_at_though_the_master_stepped_first(
+        tmp_path, monkeypatch):
+    """``save_epoch`` returns once the state is copied; the next step runs while the files are written
+    (held back here until after it), and the files hold the epoch's end, not the step after it."""
+    master, bodies, plan = master_and_bodies(0.1)
+    gate = hold_back_writes(monkeypatch)
     at_end = {k: v.clone() for k, v in master.model_state().items()}
     driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
     master.save_epoch([str(tmp_path / "last.pt")], str(tmp_path / "checkpoint.pt"), driver, [])
@@ -128,15 +135,7 @@ def test_a_checkpoint_waits_for_the_epoch_files_being_written(tmp_path, monkeypa
     """A checkpoint written while an epoch's files are pending (a failure, ``checkpoint_every``) comes
     after them: the older epoch checkpoint never replaces it."""
     master, bodies, plan = master_and_bodies(0.1)
-    module = sys.modules[Master.__module__]
-    gate, write = threading.Event(), module.save_torch_atomically
-
-    def held_back(obj, path):
-        assert gate.wait(30)
-        return write(obj, path)
-
-    monkeypatch.setattr(module, "save_torch_atomically", held_back)
-    monkeypatch.setattr(module, "BACKGROUND_WRITE_BYTES", 0)
+    gate = hold_back_writes(monkeypatch)
     path = str(tmp_path / "checkpoint.pt")
     master.save_epoch([str(tmp_path / "last.pt")], path, {"epoch": 2, "step_in_epoch": 0, "history": [],
                                                           "config": {}}, [])
