@@ -38,6 +38,10 @@ DGC_MAGIC = b"DGC1"
 _DGC_HEADER = struct.Struct("<4sQQ")
 EXACT_TOPK_MAX_NUMEL = 1 << 16  # above this the sampled selection is faster (measured, docs/compression.md)
 
+Addend = tuple[torch.Tensor | None, torch.Tensor] | None
+"""A decoded message: ``(positions, values)`` to add to a sum (positions None: every element, in order), or
+None for a worker without bags."""
+
 
 def encode_dgc(dense_sent: torch.Tensor) -> bytes:
     """DGC-style payload of the sent entries: header, int32 indices, fp32 values (no entropy coding)."""
@@ -112,35 +116,43 @@ class Uplink:
             payload = encode_dgc(decode(payload).to_dense())
         return payload
 
+    def decode_part(self, worker: int, part: torch.Tensor, count: int, keep_ratio: float) -> Addend:
+        """Worker ``worker``'s message validated and decoded, ready to add (:data:`Addend`). ``part``: raw
+        float32 at ``keep_ratio >= 1``, else a payload; ``count``: the bags it had (an empty message stands
+        for a worker without bags, and only for one)."""
+        if count == 0 or part.numel() == 0:
+            if count != 0 or part.numel():
+                raise PayloadError(f"worker {worker} sent {part.numel()} bytes for {count} bags")
+            return None
+        if keep_ratio >= 1.0:
+            if part.numel() != 4 * self.numel:
+                raise PayloadError(f"worker {worker} sent {part.numel()} bytes of dense gradient, "
+                                   f"expected {4 * self.numel}")
+            return None, part.view(torch.float32)
+        try:
+            if self.wire == "dgc":
+                return decode_dgc(part.numpy(), self.numel)
+            decoded = decode(memoryview(part.numpy()), expected_numel=self.numel,
+                             expected_kinds=(KIND_GRADIENT,), expected_dtype=self.dtype)
+            return decoded.positions, decoded.values
+        except PayloadError as err:
+            raise PayloadError(f"gradient payload of worker {worker}: {err}") from None
+
     def sum_into(
-        self, total: torch.Tensor, parts: list[torch.Tensor], counts: list[int], keep_ratio: float
+        self, total: torch.Tensor, parts: list[torch.Tensor], counts: list[int], keep_ratio: float,
+        decoded: dict[int, Addend] | None = None,
     ) -> torch.Tensor:
-        """``total += sum_w part_w`` in worker order. ``parts``: the workers' messages (uint8 tensors: raw
-        float32 at ``keep_ratio >= 1``, else payloads); ``counts[w]``: the bags worker w had (an empty
-        message stands for a worker without bags, and only for one)."""
+        """``total += sum_w part_w`` in worker order, one float32 addition per element a message carries (so
+        every rank that sums the same messages gets the same bits). ``parts``, ``counts``: as in
+        :meth:`decode_part`; ``decoded``: messages some workers' :meth:`decode_part` already gave (by
+        worker; their ``parts`` entries are not read)."""
         for worker, (part, count) in enumerate(zip(parts, counts, strict=True)):
-            if count == 0 or part.numel() == 0:
-                if count != 0 or part.numel():
-                    raise PayloadError(f"worker {worker} sent {part.numel()} bytes for {count} bags")
-                continue
-            if keep_ratio >= 1.0:
-                if part.numel() != 4 * self.numel:
-                    raise PayloadError(f"worker {worker} sent {part.numel()} bytes of dense gradient, "
-                                       f"expected {4 * self.numel}")
-                total.add_(part.view(torch.float32))
-                continue
-            try:
-                if self.wire == "dgc":
-                    add_sparse_(total, *decode_dgc(part.numpy(), self.numel))
-                else:
-                    decode(
-                        memoryview(part.numpy()),
-                        expected_numel=self.numel,
-                        expected_kinds=(KIND_GRADIENT,),
-                        expected_dtype=self.dtype,
-                    ).add_to(total)
-            except PayloadError as err:
-                raise PayloadError(f"gradient payload of worker {worker}: {err}") from None
+            if decoded is not None and worker in decoded:
+                addend = decoded[worker]
+            else:
+                addend = self.decode_part(worker, part, count, keep_ratio)
+            if addend is not None:
+                add_sparse_(total, *addend)
         return total
 
     def state_dict(self) -> dict:

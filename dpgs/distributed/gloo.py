@@ -5,18 +5,24 @@ A gloo send completes only once the receiver has posted its receive, so the mast
 live workers send (it never leaves one blocked in a send); see ``dpgs.distributed.transport`` for the
 contract and its faults.
 
-Wire protocol of one gather (every tag is its own ordered stream between two ranks):
+Wire protocol (every tag is its own ordered stream between two ranks). A message of n bytes travels in
+pieces: the first carries n (int64, ``PREFIX`` bytes) and the body's first ``CHUNK - PREFIX`` bytes, each
+later piece ``CHUNK`` bytes (:func:`pieces`). The receiver posts the first piece into a ``CHUNK``-byte
+buffer (a gloo receive takes a shorter message), reads n, and posts the rest. A message that fits one piece
+is therefore one gloo message: gloo adds two notifications and a 48-byte header to each, and on the small
+payloads of a feature-bag model these, not the payloads, were most of a step's traffic.
 
-* worker -> master: the message's size (int64, ``_SIZE_TAG``), then its bytes in ``CHUNK``-byte pieces
-  (``_BODY_TAG``);
-* master -> worker, as soon as every size is in: the route (``_ROUTE_TAG``), ``world - 1`` int64: how many
-  leading bytes of each worker's message the master forwards to this one (0 for its own), or ``NO_RELAY``
-  in every entry;
-* master -> worker, while the messages arrive: each forwarded head in ``CHUNK``-byte pieces, piece i sent
-  as soon as piece i of its message arrived (``_RELAY_TAG + origin``): cut-through, so the master's link
+* worker -> master: its message (``_BODY_TAG``);
+* master -> worker, as soon as every first piece is in: the route (``_ROUTE_TAG``), ``world - 1`` int64 (how
+  many leading bytes of each worker's message the master forwards to this one: 0 for its own, or
+  ``NO_RELAY`` in every entry), followed by the part of each forwarded head that came in its origin's first
+  piece (origins in worker order);
+* master -> worker, while the messages arrive: the rest of each forwarded head, each piece sent as soon as
+  the same piece of its message arrived (``_RELAY_TAG + origin``): cut-through, so the master's link
   carries a relayed step's bytes up and down at the same time instead of one after the other. When an
   origin's message breaks off, the rest of its pieces go out as zeros, so that every receiver's posted
-  receives complete and it reaches the abort that follows.
+  receives complete and it reaches the abort that follows;
+* master -> worker: its message (``_BODY_TAG``), or a first piece whose size is ``ABORT_SIZE``.
 
 A worker's :meth:`GlooChannel.send_up` takes its route; :meth:`GlooChannel.recv_relayed` the heads.
 
@@ -39,15 +45,29 @@ import torch.distributed as dist
 
 from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK, ChannelBroken, Forward, worker_of
 
-_SIZE_TAG, _BODY_TAG, _ROUTE_TAG, _RELAY_TAG = 0, 1, 2, 3  # _RELAY_TAG + worker: that worker's head
+_BODY_TAG, _ROUTE_TAG, _RELAY_TAG = 1, 2, 3  # _RELAY_TAG + worker: the rest of that worker's forwarded head
 ABORT_SIZE = -1  # sent down instead of a message size: give up this exchange
 NO_RELAY = -1  # every entry of a route that forwards nothing
-CHUNK = 128 << 10  # bytes per piece of a message up and of a forwarded head
+CHUNK = 128 << 10  # bytes per piece of a message
+PREFIX = 8  # the int64 size at the start of a message's first piece
+FIRST = CHUNK - PREFIX  # body bytes in a message's first piece
 
 
 def pieces(n: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` of the ``CHUNK``-byte pieces of an ``n``-byte message (none when ``n`` is 0)."""
-    return [(lo, min(lo + CHUNK, n)) for lo in range(0, n, CHUNK)]
+    """``[lo, hi)`` of the body bytes in each piece of an ``n``-byte message: the first piece (always one, the
+    size's) holds ``[0, min(n, FIRST))``, every later one ``CHUNK`` bytes."""
+    first = min(n, FIRST)
+    return [(0, first)] + [(lo, min(lo + CHUNK, n)) for lo in range(first, n, CHUNK)]
+
+
+def first_piece(size: int, head: torch.Tensor) -> torch.Tensor:
+    """A message's first piece: ``size`` as int64, then ``head`` (at most ``FIRST`` bytes)."""
+    return torch.cat([torch.tensor([size], dtype=torch.int64).view(torch.uint8), head])
+
+
+def size_of(piece: torch.Tensor) -> int:
+    """The message size that a received first piece starts with."""
+    return int(piece[:PREFIX].view(torch.int64))
 
 
 def local_address(peer: str) -> str:
@@ -65,7 +85,7 @@ def local_address(peer: str) -> str:
 class GlooChannel:
     """A gloo process group; the master's process hosts the rendezvous store.
 
-    Each message is an int64 size (``ABORT_SIZE`` for an abort) followed by the body. Joining (the store,
+    Messages travel as the module docstring says (``ABORT_SIZE`` as a size: an abort). Joining (the store,
     then gloo's connections) ends within ``JOIN_TIMEOUT_S`` (then ChannelBroken: the rank is free to join
     another group); every later wait is bounded by ``timeout_s``.
     """
@@ -120,22 +140,38 @@ class GlooChannel:
             self.dead.add(peer)
             raise ChannelBroken(f"rank {self.rank}: {what} with rank {peer} failed: {err}") from err
 
+    def _post_message(self, body: torch.Tensor, peer: int, tag: int) -> list:
+        """Post the sends of ``body``'s pieces."""
+        spans = pieces(body.numel())
+        firsts = first_piece(body.numel(), body[: spans[0][1]])
+        return [self._post(True, firsts, peer, tag)] + [self._post(True, body[lo:hi], peer, tag)
+                                                         for lo, hi in spans[1:]]
+
+    def _post_rest(self, start: torch.Tensor, size: int, peer: int, tag: int) -> tuple[torch.Tensor, list]:
+        """The body of a ``size``-byte message whose first piece brought ``start`` (its first bytes), with the
+        receives of its later pieces posted into it."""
+        body = torch.empty(size, dtype=torch.uint8)
+        body[: start.numel()].copy_(start)
+        return body, [self._post(False, body[lo:hi], peer, tag) for lo, hi in pieces(size)[1:]]
+
     # ---------------------------------------------------------------- worker
     def send_up(self, body: torch.Tensor) -> None:
-        """Send ``body`` to the master. The route comes back as soon as every worker's size is in, and the
-        receives of what it forwards are posted before this worker waits for its own sends to complete."""
+        """Send ``body`` to the master. The route comes back as soon as every worker's first piece is in, and
+        the receives of what it forwards are posted before this worker waits for its own sends to complete."""
         self._settle()
-        size = torch.tensor([body.numel()], dtype=torch.int64)
-        sends = [self._post(True, size, MASTER_RANK, _SIZE_TAG)]
-        sends += [self._post(True, body[lo:hi], MASTER_RANK, _BODY_TAG) for lo, hi in pieces(body.numel())]
-        route = torch.zeros(self.world - 1, dtype=torch.int64)
+        sends = self._post_message(body, MASTER_RANK, _BODY_TAG)
+        others = self.world - 2
+        route = torch.empty(PREFIX * (others + 1) + others * FIRST, dtype=torch.uint8)
         self._wait(self._post(False, route, MASTER_RANK, _ROUTE_TAG), MASTER_RANK, "receiving the route")
-        counts = route.tolist()
+        counts = route[: PREFIX * (others + 1)].view(torch.int64).tolist()
         if counts[0] != NO_RELAY:
-            origins = [w for w in range(self.world - 1) if w != worker_of(self.rank)]
-            heads = [torch.empty(counts[w], dtype=torch.uint8) for w in origins]
-            works = [self._post(False, head[lo:hi], MASTER_RANK, _RELAY_TAG + w)
-                     for w, head in zip(origins, heads, strict=True) for lo, hi in pieces(head.numel())]
+            offset, heads, works = PREFIX * (others + 1), [], []
+            for w in (w for w in range(self.world - 1) if w != worker_of(self.rank)):
+                start = route[offset : offset + min(counts[w], FIRST)]
+                head, posted = self._post_rest(start, counts[w], MASTER_RANK, _RELAY_TAG + w)
+                offset += start.numel()
+                heads.append(head)
+                works += posted
             self._relayed = (heads, works)
         for work in sends:
             self._wait(work, MASTER_RANK, "sending up")
@@ -156,13 +192,14 @@ class GlooChannel:
 
     def recv_down(self) -> torch.Tensor:
         self._settle()
-        size = torch.zeros(1, dtype=torch.int64)
-        self._wait(self._post(False, size, MASTER_RANK, _SIZE_TAG), MASTER_RANK, "receiving the size")
-        if int(size) == ABORT_SIZE:
+        first = torch.empty(CHUNK, dtype=torch.uint8)
+        self._wait(self._post(False, first, MASTER_RANK, _BODY_TAG), MASTER_RANK, "receiving a message")
+        size = size_of(first)
+        if size == ABORT_SIZE:
             raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
-        body = torch.empty(int(size), dtype=torch.uint8)
-        if body.numel():
-            self._wait(self._post(False, body, MASTER_RANK, _BODY_TAG), MASTER_RANK, "receiving a message")
+        body, works = self._post_rest(first[PREFIX : PREFIX + min(size, FIRST)], size, MASTER_RANK, _BODY_TAG)
+        for work in works:
+            self._wait(work, MASTER_RANK, "receiving a message")
         return body
 
     # ---------------------------------------------------------------- master
@@ -180,47 +217,71 @@ class GlooChannel:
         """Every live worker's message is taken, even when another worker's failed (the live ones must not
         stay blocked in their send); then a failure raises ChannelBroken. ``timed``: record each
         message's arrival in ``self.arrivals`` (``time.perf_counter``). ``forward``: see the module
-        docstring; each worker's message is waited for in a thread of its own (a gloo receive completes
+        docstring. Each worker's message is waited for in a thread of its own (a gloo receive completes
         only inside ``wait``), which forwards its pieces as they arrive."""
         workers = [r for r in range(1, self.world) if r not in self.dead]
-        sizes = {r: torch.zeros(1, dtype=torch.int64) for r in workers}
+        firsts = {r: torch.empty(CHUNK, dtype=torch.uint8) for r in workers}
         failed: list[str] = []
-        size_recvs = self._post_each([(False, sizes[r], r, _SIZE_TAG) for r in workers], failed)
-        failed += self._wait_all(size_recvs, "receiving the size")
-        counts = None
-        if forward is not None and not failed and len(workers) == self.world - 1:
-            counts = forward([int(sizes[r]) for r in workers])
-        sends = self._post_each([(True, self._route_for(r, counts), r, _ROUTE_TAG) for r in workers], failed)
-        bodies = {r: torch.empty(int(sizes[r]), dtype=torch.uint8) for r in workers if r not in self.dead}
-        self.arrivals = [time.perf_counter()] * (self.world - 1)  # empty messages: arrived with their size
-        with ThreadPoolExecutor(max_workers=max(len(bodies), 1)) as pool:
-            results = list(pool.map(lambda r: self._take_message(r, bodies[r], counts, sends, failed),
-                                    list(bodies)))
-        failed += [r for r in results if r is not None]
+        posted = dict(self._post_each([(False, firsts[r], r, _BODY_TAG) for r in workers], failed))
+        self.arrivals = [time.perf_counter()] * (self.world - 1)
+        with ThreadPoolExecutor(max_workers=max(len(posted), 1)) as pool:
+            failed += [f for f in pool.map(lambda r: self._take_first(r, posted[r], firsts[r]), list(posted))
+                       if f is not None]
+            sizes = {r: size_of(firsts[r]) for r in posted if r not in self.dead}
+            counts = None
+            if forward is not None and not failed and len(sizes) == self.world - 1:
+                counts = forward([sizes[r] for r in workers])
+            live = [r for r in workers if r not in self.dead]
+            sends = self._post_each([(True, self._route_for(r, counts, firsts), r, _ROUTE_TAG) for r in live],
+                                    failed)
+            taken = list(pool.map(lambda r: self._take_rest(r, firsts[r], sizes[r], counts, sends, failed),
+                                  live))
+        failed += [failure for _, failure in taken if failure is not None]
         failed += self._wait_all(sends, "relaying")
         if failed or len(workers) < self.world - 1:
             raise ChannelBroken("; ".join(failed) or f"ranks {sorted(self.dead)} are gone")
-        return [bodies[r] for r in workers]
+        return [body for body, _ in taken]
 
-    def _route_for(self, rank: int, counts: list[int] | None) -> torch.Tensor:
+    def _take_first(self, rank: int, work: Any, first: torch.Tensor) -> str | None:
+        """Wait for ``rank``'s first piece (its arrival time, if it is the whole message); the failure's
+        message, or None."""
+        try:
+            self._wait(work, rank, "receiving a message")
+        except ChannelBroken as err:
+            return str(err)
+        size = size_of(first)
+        if size < 0:
+            self.dead.add(rank)
+            return f"rank {self.rank}: rank {rank} sent a message of {size} bytes"
+        self.arrivals[worker_of(rank)] = time.perf_counter()
+        return None
+
+    def _route_for(self, rank: int, counts: list[int] | None,
+                   firsts: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``rank``'s route, followed by the part of each head forwarded to it that its first piece held."""
         if counts is None:
-            return torch.full((self.world - 1,), NO_RELAY, dtype=torch.int64)
+            return torch.full((self.world - 1,), NO_RELAY, dtype=torch.int64).view(torch.uint8)
         own = worker_of(rank)
-        return torch.tensor([0 if w == own else n for w, n in enumerate(counts)], dtype=torch.int64)
+        route = torch.tensor([0 if w == own else n for w, n in enumerate(counts)], dtype=torch.int64)
+        heads = [firsts[r][PREFIX : PREFIX + min(counts[worker_of(r)], FIRST)]
+                 for r in range(1, self.world) if r != rank]
+        return torch.cat([route.view(torch.uint8), *heads])
 
-    def _take_message(self, rank: int, body: torch.Tensor, counts: list[int] | None,
-                      sends: list[tuple[int, Any]], failed: list[str]) -> str | None:
-        """Receive ``rank``'s message piece by piece, forwarding each piece's share of its head to every other
-        live worker as it arrives (zeros once the message broke off; a forward that cannot be posted goes to
-        ``failed``); the failure's message, or None."""
+    def _take_rest(self, rank: int, first: torch.Tensor, size: int, counts: list[int] | None,
+                   sends: list[tuple[int, Any]], failed: list[str]) -> tuple[torch.Tensor, str | None]:
+        """Receive the rest of ``rank``'s message (its first piece ``first`` is in) piece by piece, forwarding
+        each piece's share of its head to every other live worker as it arrives (zeros once the message broke
+        off; a forward that cannot be posted goes to ``failed``); the message, and the failure's message or
+        None."""
         head = 0 if counts is None else counts[worker_of(rank)]
         others = [(r, _RELAY_TAG + worker_of(rank)) for r in range(1, self.world) if r != rank]
-        works, failure = [], None
+        spans = pieces(size)[1:]
+        failure = None
         try:  # every piece's receive at once, so the worker's sends never wait for one
-            works = [self._post(False, body[lo:hi], rank, _BODY_TAG) for lo, hi in pieces(body.numel())]
+            body, works = self._post_rest(first[PREFIX : PREFIX + min(size, FIRST)], size, rank, _BODY_TAG)
         except ChannelBroken as err:
-            failure = str(err)
-        for index, (lo, hi) in enumerate(pieces(body.numel())):
+            body, works, failure = torch.zeros(size, dtype=torch.uint8), [], str(err)
+        for index, (lo, hi) in enumerate(spans):
             if failure is None:
                 try:
                     self._wait(works[index], rank, "receiving a message")
@@ -230,16 +291,17 @@ class GlooChannel:
                 end = min(hi, head)
                 piece = body[lo:end] if failure is None else torch.zeros(end - lo, dtype=torch.uint8)
                 sends += self._post_each([(True, piece, r, tag) for r, tag in others], failed)
-        self.arrivals[worker_of(rank)] = time.perf_counter()
-        return failure
+        if spans:
+            self.arrivals[worker_of(rank)] = time.perf_counter()
+        return body, failure
 
     def send_down(self, body: torch.Tensor) -> None:
         """Every live worker gets ``body`` even when another worker's connection failed."""
-        size = torch.tensor([body.numel()], dtype=torch.int64)
-        posts = [(True, part, r, tag) for r in range(1, self.world)
-                 for part, tag in ((size, _SIZE_TAG), (body, _BODY_TAG)) if part.numel()]
+        spans = pieces(body.numel())
+        parts = [first_piece(body.numel(), body[: spans[0][1]])] + [body[lo:hi] for lo, hi in spans[1:]]
         failed: list[str] = []
-        sends = self._post_each(posts, failed)
+        sends = self._post_each([(True, part, r, _BODY_TAG) for r in range(1, self.world) for part in parts],
+                                failed)
         failed += self._wait_all(sends, "sending down")
         if failed or self.dead:
             raise ChannelBroken("; ".join(failed) or f"ranks {sorted(self.dead)} are gone")
@@ -250,8 +312,8 @@ class GlooChannel:
                 self.gather_up()
             except ChannelBroken:
                 pass  # the failed ones are now marked dead
-        size = torch.tensor([ABORT_SIZE], dtype=torch.int64)
-        self._wait_all(self._post_each([(True, size, r, _SIZE_TAG) for r in range(1, self.world)], []),
+        piece = first_piece(ABORT_SIZE, torch.empty(0, dtype=torch.uint8))
+        self._wait_all(self._post_each([(True, piece, r, _BODY_TAG) for r in range(1, self.world)], []),
                        "sending an abort")
 
     def close(self) -> None:

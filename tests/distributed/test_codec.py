@@ -40,6 +40,28 @@ def test_decoder_sums_payloads_like_dense_decoding():
     torch.testing.assert_close(total, reference, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("wire_format", ["dmgc", "dgc"])
+def test_a_message_decoded_ahead_sums_to_the_same_bits_in_worker_order(wire_format):
+    """A worker decodes its own payload while the others' arrive and passes it to ``sum_into``: the sum of
+    three overlapping payloads is bit for bit the one decoded in place, whichever worker decoded ahead (a
+    worker that added its own first would differ in the last bits: float addition does not associate)."""
+    cfg = CompressionConfig(wire=wire_format, value_dtype="fp32")
+    codec = uplink(cfg)
+    torch.manual_seed(0)
+    parts = [as_part(codec.encode(torch.randn(N) * (w + 1), 0.5)) for w in range(3)]
+    counts = [1, 2, 1]
+    reference = codec.sum_into(torch.zeros(N), parts, counts, 0.5)
+    for me in range(3):
+        ahead = {me: codec.decode_part(me, parts[me], counts[me], 0.5)}
+        blanked = [torch.empty(0, dtype=torch.uint8) if w == me else p for w, p in enumerate(parts)]
+        total = codec.sum_into(torch.zeros(N), blanked, counts, 0.5, ahead)
+        assert torch.equal(total, reference)
+    own_first = torch.zeros(N)
+    for w in (2, 0, 1):
+        codec.sum_into(own_first, [parts[w]], [1], 0.5)
+    assert not torch.equal(own_first, reference)  # the order matters, so the test above can fail
+
+
 def test_keep_ratio_is_an_argument_and_keep_one_flushes_the_residual_exactly():
     """Sparse steps leave a residual; a dense step then sends gradient + residual as raw float32 and the
     residual is empty: over the three steps exactly the sum of the gradients arrived (error feedback)."""

@@ -119,8 +119,9 @@ def test_local_address_is_the_route_to_the_peer_outside_ray(monkeypatch):
 
 
 def broken_relay_main(rank: int, port: int, results) -> None:
-    """Worker 2 sends its size and first piece, then dies; worker 1 must get through the forwarded pieces
-    (the rest as zeros) to the master's abort, and the master's gather must fail."""
+    """Worker 2 sends the first piece of its message (its size and first bytes), then dies; worker 1 must get
+    through the forwarded pieces (the rest as zeros) to the master's abort, and the master's gather must
+    fail."""
     import os
 
     from dpgs.distributed import gloo
@@ -129,10 +130,7 @@ def broken_relay_main(rank: int, port: int, results) -> None:
     channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
     if rank == 2:
         body = big(rank)
-        size = torch.tensor([body.numel()], dtype=torch.int64)
-        for work in (channel._group.send([size], 0, gloo._SIZE_TAG),
-                     channel._group.send([body[:CHUNK]], 0, gloo._BODY_TAG)):
-            work.wait()
+        channel._group.send([gloo.first_piece(body.numel(), body[: gloo.FIRST])], 0, gloo._BODY_TAG).wait()
         os._exit(0)
     try:
         if rank == 0:
@@ -145,8 +143,8 @@ def broken_relay_main(rank: int, port: int, results) -> None:
         else:
             channel.send_up(big(rank))
             heads = channel.recv_relayed()
-            first = bool(torch.equal(heads[0][:CHUNK], big(2)[:CHUNK]))
-            rest = int(heads[0][CHUNK:].count_nonzero())
+            first = bool(torch.equal(heads[0][: gloo.FIRST], big(2)[: gloo.FIRST]))
+            rest = int(heads[0][gloo.FIRST :].count_nonzero())
             try:
                 channel.recv_down()
                 results.put(("worker1", (first, rest, "no abort")))
@@ -206,7 +204,8 @@ def test_a_connection_broken_before_a_post_is_a_channel_fault_not_a_crash():
         def recv(self, tensors, peer, tag):
             self._check(peer)
             t = tensors[0]
-            return Work(lambda: t.fill_(3 if tag == gloo._SIZE_TAG else peer))
+            return Work(lambda: t.copy_(gloo.first_piece(3, torch.full((t.numel() - gloo.PREFIX,), peer,
+                                                                        dtype=torch.uint8))))
 
         def send(self, tensors, peer, tag):
             self._check(peer)
@@ -223,3 +222,57 @@ def test_a_connection_broken_before_a_post_is_a_channel_fault_not_a_crash():
     with pytest.raises(ChannelBroken, match="rank"):
         channel.send_down(torch.arange(4, dtype=torch.uint8))
     assert (1, gloo._BODY_TAG) in Group.posted
+
+
+class CountingGroup:
+    """A gloo group that counts the sends and receives posted through it."""
+
+    def __init__(self, group):
+        self.group, self.sends, self.recvs = group, 0, 0
+
+    def send(self, tensors, peer, tag):
+        self.sends += 1
+        return self.group.send(tensors, peer, tag)
+
+    def recv(self, tensors, peer, tag):
+        self.recvs += 1
+        return self.group.recv(tensors, peer, tag)
+
+
+def small_step_main(rank: int, port: int, results) -> None:
+    """One relayed step of small messages (as a feature-bag model's keep-1 % payloads), counted."""
+    channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
+    channel._group = counting = CountingGroup(channel._group)
+    if rank == 0:
+        bodies = channel.gather_up(forward=lambda sizes: [n - 3 for n in sizes])
+        channel.send_down(torch.arange(40, dtype=torch.uint8))
+        results.put(("master", ([b.tolist() for b in bodies], counting.sends, counting.recvs)))
+    else:
+        channel.send_up(torch.full((1000 + rank,), rank, dtype=torch.uint8))
+        heads = [h.tolist() for h in channel.recv_relayed()]
+        down = channel.recv_down().tolist()
+        results.put((f"worker{rank}", (heads, down, counting.sends, counting.recvs)))
+
+
+@pytest.mark.timeout(180)
+def test_a_small_relayed_step_is_one_gloo_message_each_way_and_the_route():
+    """A message that fits one piece is one gloo message (its size rides in its first piece), and the
+    forwarded heads of small messages ride with the route: a worker posts one send and two receives a step
+    (it was two sends and four receives: a size and a body each way, the route, the forwarded head)."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=small_step_main, args=(r, port, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=150) for _ in range(WORLD))
+    for p in procs:
+        p.join(timeout=30)
+    bodies, master_sends, master_recvs = got["master"]
+    assert bodies == [[1] * 1001, [2] * 1002]
+    assert (master_sends, master_recvs) == (2 * 2, 2)  # a route and a message down to each; one up from each
+    for rank in (1, 2):
+        heads, down, sends, recvs = got[f"worker{rank}"]
+        other = 3 - rank
+        assert heads == [[other] * (1000 + other - 3)]
+        assert down == list(range(40))
+        assert (sends, recvs) == (1, 2)

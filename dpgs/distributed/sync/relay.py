@@ -66,6 +66,11 @@ class RelaySync:
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         start = time.perf_counter()
         channel.send_up(part.body)
+        me = worker_of(channel.rank)  # its own payload is not relayed to it: it kept it
+        own = part.body[: part.payload_bytes]
+        # decoded while the other workers' payloads are still arriving (summed in worker order all the same)
+        decoded = ({me: self.uplink.decode_part(me, own, part.n_bags, step.keep_ratio)}
+                   if step.keep_ratio < 1.0 else {})
         relayed = channel.recv_relayed()
         data = channel.recv_down()
         received = time.perf_counter()
@@ -76,9 +81,9 @@ class RelaySync:
             if len(relayed) != len(step.bags) - 1:
                 raise PayloadError(f"a gradients frame after {len(relayed)} relayed payloads, expected "
                                    f"{len(step.bags) - 1}")
-            me = worker_of(channel.rank)  # its own payload was not relayed to it: it kept it
-            payloads = [*relayed[:me], part.body[: part.payload_bytes], *relayed[me:]]
-            total = self.uplink.sum_into(torch.zeros(replica.numel), payloads, step.counts(), step.keep_ratio)
+            payloads = [*relayed[:me], own, *relayed[me:]]
+            total = self.uplink.sum_into(torch.zeros(replica.numel), payloads, step.counts(), step.keep_ratio,
+                                         decoded)
         replica.step(total / step.n_bags, step.lr, frame.clip)
         replica.load_buffers(frame.buffers(replica.n_buffers))
         replica.version = step.index + 1
