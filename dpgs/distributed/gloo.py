@@ -140,13 +140,6 @@ class GlooChannel:
             self.dead.add(peer)
             raise ChannelBroken(f"rank {self.rank}: {what} with rank {peer} failed: {err}") from err
 
-    def _post_message(self, body: torch.Tensor, peer: int, tag: int) -> list:
-        """Post the sends of ``body``'s pieces."""
-        spans = pieces(body.numel())
-        firsts = first_piece(body.numel(), body[: spans[0][1]])
-        return [self._post(True, firsts, peer, tag)] + [self._post(True, body[lo:hi], peer, tag)
-                                                         for lo, hi in spans[1:]]
-
     def _post_rest(self, start: torch.Tensor, size: int, peer: int, tag: int) -> tuple[torch.Tensor, list]:
         """The body of a ``size``-byte message whose first piece brought ``start`` (its first bytes), with the
         receives of its later pieces posted into it."""
@@ -156,10 +149,14 @@ class GlooChannel:
 
     # ---------------------------------------------------------------- worker
     def send_up(self, body: torch.Tensor) -> None:
-        """Send ``body`` to the master. The route comes back as soon as every worker's first piece is in, and
-        the receives of what it forwards are posted before this worker waits for its own sends to complete."""
+        """Send ``body`` to the master. The route comes back as soon as every worker's first piece is in (the
+        master takes no later piece before that), and the receives of what it forwards are posted before the
+        rest of ``body``: their notifications then go up ahead of it, not behind megabytes of it in the same
+        TCP stream (behind a 5.7 MB upload at 100 Mbit/s they waited 0.46 s, and the master could not
+        forward to this worker until they arrived)."""
         self._settle()
-        sends = self._post_message(body, MASTER_RANK, _BODY_TAG)
+        spans = pieces(body.numel())
+        sends = [self._post(True, first_piece(body.numel(), body[: spans[0][1]]), MASTER_RANK, _BODY_TAG)]
         others = self.world - 2
         route = torch.empty(PREFIX * (others + 1) + others * FIRST, dtype=torch.uint8)
         self._wait(self._post(False, route, MASTER_RANK, _ROUTE_TAG), MASTER_RANK, "receiving the route")
@@ -173,6 +170,7 @@ class GlooChannel:
                 heads.append(head)
                 works += posted
             self._relayed = (heads, works)
+        sends += [self._post(True, body[lo:hi], MASTER_RANK, _BODY_TAG) for lo, hi in spans[1:]]
         for work in sends:
             self._wait(work, MASTER_RANK, "sending up")
 
