@@ -65,6 +65,12 @@ def first_piece(size: int, head: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.tensor([size], dtype=torch.int64).view(torch.uint8), head])
 
 
+def message_pieces(body: torch.Tensor) -> list[torch.Tensor]:
+    """What is sent of ``body``: its first piece (:func:`first_piece`), then views of its later pieces."""
+    spans = pieces(body.numel())
+    return [first_piece(body.numel(), body[: spans[0][1]])] + [body[lo:hi] for lo, hi in spans[1:]]
+
+
 def size_of(piece: torch.Tensor) -> int:
     """The message size that a received first piece starts with."""
     return int(piece[:PREFIX].view(torch.int64))
@@ -155,8 +161,8 @@ class GlooChannel:
         TCP stream (behind a 5.7 MB upload at 100 Mbit/s they waited 0.46 s, and the master could not
         forward to this worker until they arrived)."""
         self._settle()
-        spans = pieces(body.numel())
-        sends = [self._post(True, first_piece(body.numel(), body[: spans[0][1]]), MASTER_RANK, _BODY_TAG)]
+        parts = message_pieces(body)
+        sends = [self._post(True, parts[0], MASTER_RANK, _BODY_TAG)]
         others = self.world - 2
         route = torch.empty(PREFIX * (others + 1) + others * FIRST, dtype=torch.uint8)
         self._wait(self._post(False, route, MASTER_RANK, _ROUTE_TAG), MASTER_RANK, "receiving the route")
@@ -170,7 +176,7 @@ class GlooChannel:
                 heads.append(head)
                 works += posted
             self._relayed = (heads, works)
-        sends += [self._post(True, body[lo:hi], MASTER_RANK, _BODY_TAG) for lo, hi in spans[1:]]
+        sends += [self._post(True, part, MASTER_RANK, _BODY_TAG) for part in parts[1:]]
         for work in sends:
             self._wait(work, MASTER_RANK, "sending up")
 
@@ -295,8 +301,7 @@ class GlooChannel:
 
     def send_down(self, body: torch.Tensor) -> None:
         """Every live worker gets ``body`` even when another worker's connection failed."""
-        spans = pieces(body.numel())
-        parts = [first_piece(body.numel(), body[: spans[0][1]])] + [body[lo:hi] for lo, hi in spans[1:]]
+        parts = message_pieces(body)
         failed: list[str] = []
         sends = self._post_each([(True, part, r, _BODY_TAG) for r in range(1, self.world) for part in parts],
                                 failed)
