@@ -75,10 +75,11 @@ def best_val_auc(row: dict) -> float | None:
 
 
 def time_to(row: dict, target: float) -> float | None:
-    """``elapsed_seconds`` of the first epoch whose validation AUC reaches ``target`` (None: never)."""
+    """``elapsed_seconds`` of the first epoch whose validation AUC reaches ``target``, less the benchmark
+    driver's own pauses before it (``benchmark_pause_s``, recorded since 2026-11-27) (None: never)."""
     for h in row.get("history", []):
         if h.get("val_auc") is not None and h["val_auc"] >= target - 1e-12:
-            return h["elapsed_seconds"]
+            return h["elapsed_seconds"] - h.get("benchmark_pause_s", 0.0)
     return None
 
 

@@ -41,11 +41,18 @@ PAUSE_S = 0.15  # three periods of the benchmark's counter sampler: between a ch
 
 
 class RecordingGroup(RankGroup):
-    """A :class:`RankGroup` that records its chunks and probes into ``RecordingGroup.path``."""
+    """A :class:`RankGroup` that records its chunks, probes and its own pauses into ``RecordingGroup.path``
+    (``pauses``: when each ended and why; a run's time to its target leaves them out, ``bandwidth_rows``)."""
 
     path: Path | None = None
     chunks: list[dict] = []
     probes: list[dict] = []
+    pauses: list[dict] = []
+
+    @staticmethod
+    def _pause(before: str) -> None:
+        time.sleep(PAUSE_S)
+        RecordingGroup.pauses.append({"end": time.time(), "seconds": PAUSE_S, "before": before})
 
     def run(self, plan):
         start = time.time()
@@ -67,23 +74,25 @@ class RecordingGroup(RankGroup):
         """As the group's, after a pause that lets the counter sampler (every 50 ms, interpolated) take a
         sample between the epoch's last chunk and this traffic: the workers' residuals (46 MB each for the
         tile encoder) would otherwise be smeared into the chunk's window. Outside every measured step."""
-        time.sleep(PAUSE_S)
+        self._pause("ask_state")
+        self._write()
         super().ask_state(weights)
 
     def probe_links(self, sizes):
-        time.sleep(PAUSE_S)  # the chunk before must not take in the probe's first megabytes
+        self._pause("probe")  # the chunk before must not take in the probe's first megabytes
         start = time.time()
         probe = super().probe_links(sizes)
         RecordingGroup.probes.append({"start": start, "end": time.time(), "sizes": list(sizes),
                                       "seconds": [list(s) for s in probe.seconds]})
         self._write()
-        time.sleep(PAUSE_S)  # the probe's last megabytes must not be smeared into the next chunk's window
+        self._pause("chunk")  # the probe's last megabytes must not be smeared into the next chunk's window
         return probe
 
     def _write(self) -> None:
         path = RecordingGroup.path
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"chunks": RecordingGroup.chunks, "probes": RecordingGroup.probes}))
+        tmp.write_text(json.dumps({"chunks": RecordingGroup.chunks, "probes": RecordingGroup.probes,
+                                   "pauses": RecordingGroup.pauses}))
         os.replace(tmp, path)
 
 

@@ -189,6 +189,8 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
     last = bytes_check[-1]
     history = [{k: metrics[k][e] for k in EPOCH_KEYS if e in metrics.get(k, {})} | {"epoch": e}
                for e in sorted(metrics.get("elapsed_seconds", {}))]
+    for h, paused in zip(history, paused_by_epoch(record.get("pauses", []), len(history)), strict=True):
+        h["benchmark_pause_s"] = paused
     links = {k: v for k, v in metrics.items()
              if k.startswith(("link_mbps_worker_", "link_latency_ms_worker_"))}
     row = {
@@ -219,11 +221,20 @@ def run_dpgs_row(site, w: Workload, method: str, row_id: str, sampler: CounterSa
 
 
 def measured_steps(chunks: list[dict]) -> list[int]:
-    """The steps a DPGS row measures: after the first, at the run's last keep ratio (``dpgs-auto``'s
-    first steps run at the cheapest ratio to measure it, before its first decision)."""
+    """The steps a DPGS row measures: after the first, at the run's last keep ratio (a ``dpgs-auto`` run's
+    warm-up epochs may run at another ratio than its steady choice, dense where that is cheap enough)."""
     keep_of = {i: k for c in chunks for i, k in zip(c["steps"], c["keep_ratios"], strict=True)}
     final = keep_of[max(keep_of)]
     return sorted(i for i, k in keep_of.items() if i >= 1 and k == final)
+
+
+def paused_by_epoch(pauses: list[dict], epochs: int) -> list[float]:
+    """Seconds the benchmark's driver paused (``bandwidth_driver.PAUSE_S``, around probes and before the
+    states asked at each epoch's end) before each epoch's validation: those up to the epoch's own pause
+    before ``ask_state``, which comes once per epoch right after its last chunk. A user's run has none, so
+    a row's time to its target leaves them out."""
+    ends = [p["end"] for p in pauses if p["before"] == "ask_state"]
+    return [sum(p["seconds"] for p in pauses if e >= len(ends) or p["end"] <= ends[e]) for e in range(epochs)]
 
 
 def idle_per_step(idle_bps: float | None, seconds: float, steps: int) -> float | None:

@@ -12,6 +12,10 @@ encoder) and a bag reader. For each step of a chunk (``ChunkPlan``) it
    keep ratio 1, top-k with error feedback below), which exchanges it through the group and leaves the
    replica at the step's new version.
 
+Before ``keep_ratio=auto``'s first decision the driver asks every worker to :meth:`Worker.rehearse` the
+epoch's first step: steps 1-2 for that step only (the gradient sum is kept as :class:`Computed`), and its
+codec timed on it; the step then runs from 3 at the ratio decided.
+
 A step's contribution is kept until its exchange completes: after a failure elsewhere the same
 contribution is sent again (never recomputed), so every bag counts exactly once. Randomness (dropout) of a
 micro-batch is seeded from (seed, step, first bag), so a step computed again after this worker's own
@@ -33,7 +37,7 @@ from dpgs.config import Config
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.gpu_share import cap_to_share, peak_bytes, reset_peak
 from dpgs.distributed.link_probe import probe_as_worker
-from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState, StepPlan, WorkerStep
+from dpgs.distributed.messages import ChunkPlan, ChunkResult, Rehearsal, ReplicaState, StepPlan, WorkerStep
 from dpgs.distributed.rendezvous import Rendezvous
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.roles import WorkerLaunch
@@ -42,6 +46,18 @@ from dpgs.distributed.sync import Contribution, StepSync
 from dpgs.distributed.transport import Channel, ChannelBroken, EmulatedLink, worker_rank
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.workers.reader import BagReader
+
+
+@dataclass
+class Computed:
+    """This worker's gradient sum of step ``step`` over ``n_bags`` bags (None without bags) and its buffers
+    after the step's forward passes, not yet encoded; with its report."""
+
+    step: int
+    n_bags: int
+    grad: torch.Tensor | None
+    buffers: torch.Tensor | None
+    report: WorkerStep
 
 
 @dataclass
@@ -85,6 +101,7 @@ class Worker(ABC):
         self.class_weights: torch.Tensor | None = None
         self.channel: Channel | None = None
         self.pending: Pending | None = None
+        self.computed: Computed | None = None  # a step computed by :meth:`rehearse`, to encode when it runs
         self.eval_model: torch.nn.Module | None = None
 
     @classmethod
@@ -143,7 +160,7 @@ class Worker(ABC):
         self.sync = fold.sync
         self.replica.restart(fold.model_state, with_optimizer=self.sync.worker_optimizer)
         self.class_weights = None if fold.class_weights is None else fold.class_weights.to(self.device)
-        self.pending = None
+        self.pending = self.computed = None
         self.on_weights_changed()
         return self.replica.version
 
@@ -153,6 +170,8 @@ class Worker(ABC):
         self.replica.load_state(state)
         if self.pending is not None and self.pending.part.step < state.version:
             self.pending = None
+        if self.computed is not None and self.computed.step < state.version:
+            self.computed = None
         self.on_weights_changed()
         return self.replica.version
 
@@ -201,7 +220,9 @@ class Worker(ABC):
                 f"worker {self.worker} holds version {self.replica.version}, asked to run step {step.index}"
             )
         if self.pending is None or self.pending.part.step != step.index:
-            self.pending = self._contribute(step, following)
+            ready = self.computed is not None and self.computed.step == step.index
+            self.pending = self._encode(step, self.computed if ready else self._compute(step, following))
+            self.computed = None
         report = self.pending.report
         received = self.sync.worker(self.channel, step, self.pending.part, self.replica)
         self.pending = None
@@ -209,8 +230,20 @@ class Worker(ABC):
         report.down_bytes = received.down_bytes
         return report
 
-    def _contribute(self, step: StepPlan, following: StepPlan | None) -> Pending:
-        """Compute and encode this worker's part of ``step``."""
+    def rehearse(self, step: StepPlan, following: StepPlan | None, ratios: tuple[float, ...]) -> Rehearsal:
+        """``keep_ratio=auto``'s first decision: compute this worker's part of ``step`` (kept: the step
+        encodes it at the ratio then decided, nothing is computed twice) and time the codec on that gradient
+        at each of ``ratios`` (on a copy of the codec state: the residual is untouched)."""
+        if step.index != self.replica.version:
+            raise RuntimeError(f"worker {self.worker} holds version {self.replica.version}, "
+                               f"asked to rehearse step {step.index}")
+        self.computed = self._compute(step, following)
+        codec = {k: self.sync.codec_seconds(self.computed.grad, k, len(step.bags))
+                 for k in ratios if k < 1.0 and self.computed.n_bags}
+        return Rehearsal(self.worker, self.computed.report.compute_seconds, codec)
+
+    def _compute(self, step: StepPlan, following: StepPlan | None) -> Computed:
+        """Read and compute this worker's part of ``step``: the gradient sum over its bags."""
         micro_batches = [list(m) for m in step.bags[self.worker] if m]
         wait = time.perf_counter()
         bags = [[self.reader.take(i, step.epoch) for i in micro] for micro in micro_batches]
@@ -234,8 +267,6 @@ class Worker(ABC):
             raise self.gpu_share.exceeded(err) from err
         computed = time.perf_counter()
         n_bags = len(losses)  # without bags the residual waits for this worker's next ones
-        part = self.sync.contribute(step, n_bags, total, self.step_buffers())
-        encoded = time.perf_counter()
         report = WorkerStep(
             index=step.index,
             worker=self.worker,
@@ -244,14 +275,22 @@ class Worker(ABC):
             instances=instances,
             read_wait_seconds=start - wait,
             compute_seconds=computed - start,
-            encode_seconds=encoded - computed,
+            encode_seconds=0.0,
             exchange_seconds=0.0,
             apply_seconds=0.0,
-            up_bytes=part.up_bytes,
+            up_bytes=0,
             down_bytes=0,
             dense_bytes=4 * self.replica.numel + 8 * self.replica.n_buffers,
             halo_bytes=halo,
             group_restarts=restarts,
             peak_device_bytes=peak_bytes(self.device),
         )
-        return Pending(part, report)
+        return Computed(step.index, n_bags, total, self.step_buffers(), report)
+
+    def _encode(self, step: StepPlan, computed: Computed) -> Pending:
+        """This worker's message up of ``step`` at the step's keep ratio."""
+        start = time.perf_counter()
+        part = self.sync.contribute(step, computed.n_bags, computed.grad, computed.buffers)
+        computed.report.encode_seconds = time.perf_counter() - start
+        computed.report.up_bytes = part.up_bytes
+        return Pending(part, computed.report)

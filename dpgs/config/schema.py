@@ -163,6 +163,11 @@ class CompressionConfig(Section):
         0.1, gt=0, lt=1, description="keep_ratio=auto: the largest ratio whose exchange costs at most this "
         "share of a step's compute (1 when the dense exchange does)"
     )
+    auto_warmup_share: float = Field(
+        2.0, ge=0, description="keep_ratio=auto runs the warm-up epochs (warmup_epochs) dense where the "
+        "dense exchange costs at most this multiple of a step's compute (0: never); early steps are where "
+        "compression loses most of what a step learns (docs/dpgs.md)"
+    )
     ranking: Literal["magnitude", "tensor_rms"] = Field(
         "tensor_rms", description="which entries the workers' top-k keeps: tensor_rms: the largest |g| "
         "relative to the RMS of their tensor (every tensor sends about its share); magnitude: the largest "

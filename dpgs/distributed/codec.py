@@ -16,7 +16,9 @@ downlink, each with its state and ``state_dict``.
 
 from __future__ import annotations
 
+import copy
 import struct
+import time
 
 import numpy as np
 import torch
@@ -154,6 +156,17 @@ class Uplink:
             if addend is not None:
                 add_sparse_(total, *addend)
         return total
+
+    def codec_seconds(self, grad: torch.Tensor, keep_ratio: float, decodes: int) -> float:
+        """Seconds to encode ``grad`` at ``keep_ratio`` < 1 and to decode and sum ``decodes`` messages of its
+        payload's size: the codec of one step of this worker (its encode, then a step's P payloads summed).
+        Run on a copy of the error-feedback state (this codec is left as it was), on a copy of ``grad``."""
+        scratch, grad = copy.deepcopy(self), grad.clone()
+        start = time.perf_counter()
+        payload = scratch.encode(grad, keep_ratio)
+        part = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        scratch.sum_into(torch.zeros(self.numel), [part] * decodes, [1] * decodes, keep_ratio)
+        return time.perf_counter() - start
 
     def state_dict(self) -> dict:
         """The error-feedback state (residual, momentum, step, selection generator)."""

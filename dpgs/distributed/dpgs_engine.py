@@ -27,7 +27,7 @@ from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkWatch, probe_sizes
 from dpgs.distributed.messages import ChunkPlan, StepPlan
 from dpgs.distributed.rank_group import ChunkReports, RankGroup
-from dpgs.distributed.schedule import MEASURING_STEPS, ByteModel, KeepSchedule, step_compute_seconds
+from dpgs.distributed.schedule import ByteModel, KeepSchedule, step_compute_seconds
 from dpgs.distributed.sharded_eval import evaluate_on_workers
 from dpgs.distributed.sync import build_sync
 from dpgs.records import CHECKPOINT_FILE, Checkpoint
@@ -118,6 +118,7 @@ class DpgsEngine:
         buffers = sum(b.numel() for b in float_buffers(setup.model))
         self.bytes = ByteModel.of(self.cfg.compression, layout, buffers, len(group.workers))
         self.compute_seconds: float | None = None  # a step's compute as last measured (keep_ratio=auto)
+        self.rehearsed_step: int | None = None  # computed before its chunk (its step time lacks its compute)
         self.links = LinkWatch()  # the last probe of the links (keep_ratio=auto)
         sync = build_sync(setup.config, setup.model)
         self.replicas_exact = sync.exact_replicas
@@ -176,7 +177,7 @@ class DpgsEngine:
         reports = ChunkReports()
         figures = {}
         if self.keep.auto and todo:
-            todo, figures = self._choose_keep_ratio(todo, plans, epoch, history, reports)
+            todo, figures = self._choose_keep_ratio(todo, plans, epoch)
         for chunk in self._chunks(todo):
             self._run_chunk(chunk, plans, epoch, history, reports)
         self.skip_steps = 0
@@ -212,23 +213,23 @@ class DpgsEngine:
             self.checkpoint(epoch, step_in_epoch, history)
 
     # ------------------------------------------------------------------ keep_ratio=auto
-    def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
-                           reports: ChunkReports) -> tuple[list[StepPlan], dict]:
-        """Without a compute measurement yet, run the first ``MEASURING_STEPS`` steps at the epoch's planned
-        ratio (before auto's first decision: what its cheapest ratio runs this epoch, ``KeepSchedule``) and
-        measure the last of them: its compute, codec and what it spent beyond its compute (the first step
-        holds one-off costs: buffers and residuals allocated, the first forward's warm-up); probe the links
-        unless no probe could change a dense choice; decide the epoch's ratio. Returns the steps left and
-        the figures."""
+    def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int
+                           ) -> tuple[list[StepPlan], dict]:
+        """Decide the epoch's ratio before its first step. Without a compute measurement yet (the fold's
+        first epoch, or after a resume), the workers compute that step first, kept for it, and time their
+        codec (``RankGroup.rehearse``; ``dpgs.distributed.schedule``). The links are probed unless no probe
+        could change a dense choice. Returns the epoch's steps at the ratio decided, and the figures."""
         if self.compute_seconds is None:
-            measuring = todo[:MEASURING_STEPS]
-            for chunk in self._chunks(measuring):
-                self._run_chunk(chunk, plans, epoch, history, reports)
-            last = measuring[-1].index
-            self.compute_seconds = step_compute_seconds([r for r in reports.workers if r.index == last])
-            self.keep.costs.observe({last: measuring[-1].keep_ratio}, reports.workers, reports.master,
-                                    exchange=len(measuring) > 1)
-            todo = todo[len(measuring):]
+            first = todo[0]
+            following = plans[first.step_in_epoch + 1] if first.step_in_epoch + 1 < len(plans) else None
+            rehearsals = self.group.rehearse(first, following, self.keep.rehearsal_ratios())
+            self.rehearsed_step = first.index
+            self.compute_seconds = max(r.compute_seconds for r in rehearsals)
+            codec: dict[float, float] = {}
+            for r in rehearsals:
+                for keep, seconds in r.codec_seconds.items():
+                    codec[keep] = max(codec.get(keep, 0.0), seconds)
+            self.keep.costs.rehearsed(codec)
         probed, note = False, " (measured on its steps; the links were not probed)"
         if self.keep.dense_is_settled(self.compute_seconds):
             decision, link_figures = self.keep.keep_dense(self.compute_seconds), {}
@@ -253,7 +254,9 @@ class DpgsEngine:
         if reports.workers:
             self.compute_seconds = step_compute_seconds(reports.workers)
         keep = {p.index: p.keep_ratio for p in steps}
-        self.keep.costs.observe(keep, reports.workers, reports.master)
+        # the rehearsed step's time on the master holds no compute: its exchange would look free
+        self.keep.costs.observe({i: k for i, k in keep.items() if i != self.rehearsed_step} or keep,
+                                reports.workers, reports.master)
         sparse = [(keep[r.index], r.up_bytes - 8 * self.bytes.buffers) for r in reports.workers
                   if r.n_bags and keep.get(r.index, 1.0) < 1.0]
         if sparse:

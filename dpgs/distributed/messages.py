@@ -107,6 +107,17 @@ class MasterStep:
     step_seconds: float  # wall time since the previous step ended (or the chunk started)
 
 
+@dataclass(frozen=True)
+class Rehearsal:
+    """Worker ``worker``'s answer to ``keep_ratio=auto``'s first decision (``Worker.rehearse``): the compute
+    seconds of its part of the run's next step (computed and kept for that step) and what its codec spent at
+    each compressed ratio tried on that gradient (``codec_seconds[k]``: the encode and a step's decodes)."""
+
+    worker: int
+    compute_seconds: float
+    codec_seconds: dict[float, float]
+
+
 @dataclass
 class ChunkResult:
     """A rank's answer to a chunk: the steps it completed, and where it stopped when it could not go on

@@ -44,7 +44,7 @@ from dpgs.distributed.failures import (
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.mailbox import Mailbox
-from dpgs.distributed.messages import ChunkPlan, ChunkResult, MasterStep, WorkerStep
+from dpgs.distributed.messages import ChunkPlan, ChunkResult, MasterStep, Rehearsal, StepPlan, WorkerStep
 from dpgs.distributed.rendezvous import Rendezvous
 from dpgs.distributed.runtime import ClusterError
 from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK
@@ -240,6 +240,13 @@ class RankGroup:
         """Round trips of a probe exchange between the master and every worker (between two chunks)."""
         refs = [self.master.probe_link.remote(sizes), *self.workers.call("probe_link", sizes)]
         return self._get(refs)[0]
+
+    @reports_ray_failures("computing the first step for keep_ratio=auto's first decision")
+    def rehearse(self, step: StepPlan, following: StepPlan | None,
+                 ratios: tuple[float, ...]) -> list[Rehearsal]:
+        """Every worker computes its part of ``step`` (kept for it) and times its codec at ``ratios``
+        (``Worker.rehearse``; no rank's state changes); their answers in worker order."""
+        return self._get(self.workers.call("rehearse", step, following, ratios))
 
     # ---------------------------------------------------------------- running steps
     def run(self, plan: ChunkPlan) -> ChunkReports:

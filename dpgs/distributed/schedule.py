@@ -15,8 +15,17 @@
   The codec time matters on fast links: top-k selection, zstd and the sparse decode cost more than they
   save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head). The links are
   probed only where a probe could change the choice (:meth:`KeepSchedule.dense_is_settled`).
+* Auto's first decision comes before the run's first step: every worker computes its part of that step (kept
+  for it) and times its codec on that gradient (``Worker.rehearse``) at the smallest of ``auto_ratios``, on a
+  copy of its codec state; the links are probed; the first epoch then runs at the ratio decided from its
+  first step on. (Measuring steps run at a
+  guessed ratio first had cost the tile encoder its first epoch: two steps at the 25 % warm-up before a
+  dense epoch missed the validation target that twelve dense steps reach, 2026-11-27.)
 * With ``warmup_epochs = W``, a compressed steady ratio follows DGC's warm-up 25 %, 6.25 %, 1.5625 %, ...
-  for the first W epochs (never below the steady ratio); dense stays dense.
+  for the first W epochs (never below the steady ratio); dense stays dense. ``auto`` runs those W epochs
+  dense instead where the dense exchange costs at most ``auto_warmup_share`` times the compute: the early
+  steps are where compression loses most of what a step learns (the tile encoder at 1 Gbit/s: dense reached
+  the validation target in one epoch, the 25 % warm-up in three, at a dense exchange of 1.4x the compute).
 
 The driver writes the ratio into each :class:`~dpgs.distributed.messages.StepPlan`; the uplink and
 downlink codecs take it as an argument.
@@ -35,7 +44,6 @@ from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.messages import MasterStep, WorkerStep
 
-MEASURING_STEPS = 2  # steps before auto's first decision, at the epoch's planned ratio; the last is measured
 HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
 INDEX_BYTES = 1.0  # bytes per sent entry for its index after zstd (gaps of top-k at <= 10 %; measured ~0.7)
 CODEC_GROWTH = 40.0  # codec seconds at keep k ~ 1 + 40 k: ResNet-18's gradient (benchmarks/compression.py),
@@ -105,10 +113,12 @@ class KeepDecision:
     compute_seconds: float
     dense_exchange_seconds: float
     exchange_seconds: float
+    warmup_dense: bool = False  # the compression warm-up's epochs run dense (module docstring)
 
     def metrics(self) -> dict[str, float]:
         return {
             "auto_keep_ratio": self.ratio,
+            "auto_warmup_dense": float(self.warmup_dense),
             "auto_compute_seconds": self.compute_seconds,
             "auto_dense_exchange_seconds": self.dense_exchange_seconds,
             "auto_exchange_seconds": self.exchange_seconds,
@@ -157,6 +167,12 @@ class StepCosts:
             self.codec[keep] = statistics.median(codecs)
             if exchange:
                 self.exchange[keep] = statistics.median(exchanges)
+
+    def rehearsed(self, codec: dict[float, float]) -> None:
+        """Codec seconds per ratio timed before any step ran (``Worker.rehearse``), for the ratios whose steps
+        were not measured yet."""
+        for keep, seconds in codec.items():
+            self.codec.setdefault(keep, seconds)
 
     def overhead_at(self, keep: float, link_seconds: Callable[[float], float]) -> float:
         """Seconds a step at the compressed ratio ``keep`` spends beyond its compute and its link time
@@ -220,13 +236,18 @@ class KeepSchedule:
     def __init__(self, cfg: CompressionConfig):
         self.cfg = cfg
         self.auto = cfg.keep_ratio == "auto"
-        # auto, until its first decision: the cheapest ratio, so the steps that measure the compute run at
-        # what that ratio runs in their epoch (with the warm-up, 25 % in the first), as a fixed ratio does:
-        # a compressed choice is on the fixed ratio's path from its first step (measured on the tile
-        # encoder: two first steps at 0.1 % before a 25 % warm-up epoch sent the run elsewhere, and it
-        # stayed at chance where fixed 1 % learned). After a resume: the ratio the checkpoint ran.
+        # auto, until its first decision: the cheapest ratio. After a resume: the ratio the checkpoint ran.
         self.steady = min(cfg.auto_ratios) if self.auto else float(cfg.keep_ratio)
+        self.warmup_dense = False
         self.costs = StepCosts()
+
+    def rehearsal_ratios(self) -> tuple[float, ...]:
+        """The compressed ratio whose codec auto's first decision times: its cheapest choice (the others are
+        charged from it, :meth:`StepCosts.overhead_at`). Timing the 25 % warm-up's codec as well cost the
+        tile encoder's first decision 0.8 s (2026-11-27) and changed no choice: the warm-up's ratio is not
+        one of the choices."""
+        cheapest = min(self.cfg.auto_ratios)
+        return (cheapest,) if cheapest < 1.0 else ()
 
     def dense_is_settled(self, compute_seconds: float) -> bool:
         """Whether no probe of the links could change a dense choice: the run is dense, its dense steps were
@@ -245,6 +266,7 @@ class KeepSchedule:
     def keep_dense(self, compute_seconds: float) -> KeepDecision:
         """The decision when :meth:`dense_is_settled`: dense, from what its steps cost."""
         dense = self.costs.exchange[1.0]
+        self.warmup_dense = False
         return KeepDecision(1.0, compute_seconds, dense, dense)
 
     def decide(self, link: LinkProbe, compute_seconds: float, bytes_model: ByteModel) -> KeepDecision:
@@ -265,11 +287,17 @@ class KeepSchedule:
         fitting = [k for k in candidates if seconds[k] <= budget]
         fastest = min(seconds.values())
         self.steady = fitting[0] if fitting else next(k for k in candidates if seconds[k] <= 1.1 * fastest)
-        return KeepDecision(self.steady, compute_seconds, seconds[1.0], seconds[self.steady])
+        self.warmup_dense = (self.steady < 1.0 and self.cfg.warmup_epochs > 0
+                             and seconds[1.0] <= self.cfg.auto_warmup_share * compute_seconds)
+        return KeepDecision(self.steady, compute_seconds, seconds[1.0], seconds[self.steady],
+                            self.warmup_dense)
 
     def ratio(self, epoch: int) -> float:
         """Keep ratio of the steps of ``epoch`` (1-based): the steady one, or its warm-up (dense stays dense,
-        a compressed ratio follows the warm-up for the first ``warmup_epochs``)."""
+        a compressed ratio follows the warm-up for the first ``warmup_epochs``, or runs them dense where
+        auto's last decision said so)."""
         if self.steady >= 1.0 or not self.cfg.warmup_epochs:
             return self.steady
+        if self.warmup_dense and epoch <= self.cfg.warmup_epochs:
+            return 1.0
         return KeepRatioSchedule.exponential(self.steady, epochs=self.cfg.warmup_epochs).ratio(epoch - 1)

@@ -36,6 +36,12 @@ def test_time_to_is_the_first_epoch_at_or_above_the_target():
     assert time_to({"history": []}, 0.5) is None
 
 
+def test_time_to_leaves_out_the_benchmarks_own_pauses_before_the_target():
+    r = {"history": [{"val_auc": 0.9, "elapsed_seconds": 10.0, "benchmark_pause_s": 0.45},
+                     {"val_auc": 0.95, "elapsed_seconds": 20.0, "benchmark_pause_s": 0.6}]}
+    assert time_to(r, 0.93) == pytest.approx(19.4)
+
+
 def test_targets_come_from_the_loopback_dense_run_unless_fixed():
     rows = [row("dpgs-dense", "loopback", history=history((1, 0.90), (2, 0.96), (3, 0.95))),
             row("dpgs-dense", "100mbit", history=history((1, 0.99))),

@@ -81,6 +81,23 @@ def test_keep_ratio_is_an_argument_and_keep_one_flushes_the_residual_exactly():
     torch.testing.assert_close(arrived, sum(g.double() for g in grads), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("wire_format", ["dmgc", "dgc"])
+def test_timing_the_codec_leaves_its_state_and_the_gradient_as_they_were(wire_format):
+    """``keep_ratio=auto`` times the codec on the first step's gradient before it is sent: the residual
+    (and the selection's generator) must be what they were, or that step's message would differ."""
+    up = uplink(CompressionConfig(wire=wire_format))
+    up.encode(torch.randn(N, generator=torch.Generator().manual_seed(0)), 0.01)  # a residual to keep
+    grad = torch.randn(N, generator=torch.Generator().manual_seed(1))
+    before, kept = up.state_dict(), grad.clone()
+    assert up.codec_seconds(grad, 0.25, decodes=2) > 0
+    after = up.state_dict()
+    assert torch.equal(grad, kept)
+    assert torch.equal(after["residual"], before["residual"]) and after.keys() == before.keys()
+    reference = uplink(CompressionConfig(wire=wire_format))
+    reference.load_state_dict(before)
+    assert up.encode(grad, 0.01) == reference.encode(grad.clone(), 0.01)
+
+
 def test_a_dense_run_sends_the_gradient_itself():
     grad = torch.randn(N)
     sent = uplink(CompressionConfig()).encode(grad, 1.0)

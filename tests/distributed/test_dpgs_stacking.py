@@ -452,25 +452,36 @@ def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, long_bags, t
     against a loopback exchange of a few ms to a few tens of ms on a loaded machine. With the short bags
     of the other tests a step computed for a few ms, and a loopback exchange slowed by a busy core tipped
     the choice (2 runs in about 30 under load, 2026-11-27). ``auto_share=0.5`` leaves room for a loaded
-    CI machine on top; 0.5 Mbit/s costs tens of times the compute either way."""
+    CI machine on top; 0.5 Mbit/s costs tens of times the compute either way.
+
+    Auto decides before the first step, whose gradients the workers computed for that (and timed their
+    codec on, on a copy of its state): the compressed run's weights are bit for bit those of a run at the
+    ratio it chose, fixed (on loopback: the emulated link changes no number). A first step computed twice,
+    or a residual touched by the codec's timing, would differ."""
+    auto = ["dpgs.compression.keep_ratio=auto", "dpgs.compression.auto_ratios=[1.0,0.1]",
+            "dpgs.compression.auto_share=0.5"]
     config = make_config(*long_bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
-                         "dpgs.compression.keep_ratio=auto", "dpgs.compression.warmup_epochs=0",
-                         "dpgs.compression.auto_share=0.5",
+                         "dpgs.compression.warmup_epochs=0", *auto,
                          f"dpgs.emulate_bandwidth_mbps={mbps or 'null'}")
     data = experiment_data(config)
     # four steps an epoch: auto judges a ratio by the median of its steps, so one step slowed by a loaded
     # machine does not decide (with two steps an epoch, one slow dense step once chose 0.3 on loopback)
     batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
-    _, stats, replicas, master = dpgs_run(config, data, batches, epochs=2)
+    params, stats, replicas, master = dpgs_run(config, data, batches, epochs=2)
     for epoch in stats:
-        assert (epoch["auto_keep_ratio"] < 1.0) == compressed, epoch
+        assert epoch["auto_keep_ratio"] == (0.1 if compressed else 1.0), epoch
         assert epoch["auto_compute_seconds"] > 0 and epoch["auto_dense_exchange_seconds"] > 0
         assert {"link_mbps_worker_0", "link_mbps_worker_1"} <= epoch.keys() or mbps is None
         assert epoch["optimizer_steps"] == 4.0
+    assert all(torch.equal(r.params, master.params) for r in replicas)
     if mbps:
         assert all(epoch["link_mbps_worker_0"] == pytest.approx(mbps, rel=0.5) for epoch in stats)
         assert stats[1]["compression_ratio"] > 5
-    assert all(torch.equal(r.params, master.params) for r in replicas)
+        fixed = make_config(*long_bags, tmp_path / "fixed", "train.mode=dpgs", "dpgs.workers=2",
+                            "dpgs.compression.warmup_epochs=0", "dpgs.compression.keep_ratio=0.1")
+        same, fixed_stats, _, _ = dpgs_run(fixed, data, batches, epochs=2)
+        assert [e["train_loss"] for e in stats] == [e["train_loss"] for e in fixed_stats]
+        assert all(torch.equal(params[k], same[k]) for k in params)
 
 
 class SpecThatCannotImport(ModelSpec):

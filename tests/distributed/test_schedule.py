@@ -105,18 +105,49 @@ def test_a_fixed_ratio_overrides_auto():
     assert [schedule.ratio(e) for e in (1, 2, 3)] == [0.25, 0.0625, 0.01]
 
 
-def test_auto_measures_on_the_path_its_cheapest_ratio_takes():
-    """Auto's first steps run at what its cheapest ratio runs that epoch: the warm-up's ratio (so a
-    compressed choice runs its first epoch as a fixed ratio does, from its first step), the ratio itself
-    without a warm-up or once the warm-up is over. 0.1 % is not a default ratio (it learned a tile encoder
-    too slowly: docs/dpgs.md)."""
+def test_auto_times_its_codec_at_its_cheapest_choice_and_plans_as_a_fixed_ratio_before_deciding():
+    """Before its first decision auto's epochs are planned as its cheapest choice's, a fixed ratio's (with
+    the warm-up, 25 % in the first epoch); the workers time their codec at that choice. 0.1 % is not a
+    default ratio (it learned a tile encoder too slowly: docs/dpgs.md)."""
     assert min(CompressionConfig().auto_ratios) == 0.01
     warm = KeepSchedule(CompressionConfig(keep_ratio="auto", warmup_epochs=2))
-    assert [warm.ratio(e) for e in (1, 2, 3)] == [0.25, 0.0625, 0.01]  # before any decision
     fixed = KeepSchedule(CompressionConfig(keep_ratio=0.01, warmup_epochs=2))
-    assert [warm.ratio(e) for e in (1, 2, 3)] == [fixed.ratio(e) for e in (1, 2, 3)]
+    assert [warm.ratio(e) for e in (1, 2, 3)] == [fixed.ratio(e) for e in (1, 2, 3)] == [0.25, 0.0625, 0.01]
+    assert warm.rehearsal_ratios() == (0.01,)
     cold = KeepSchedule(CompressionConfig(keep_ratio="auto", warmup_epochs=0, auto_ratios=(1.0, 0.001)))
-    assert cold.ratio(1) == 0.001
+    assert cold.ratio(1) == 0.001 and cold.rehearsal_ratios() == (0.001,)
+    assert KeepSchedule(CompressionConfig(keep_ratio="auto", auto_ratios=(1.0,))).rehearsal_ratios() == ()
+
+
+def test_a_rehearsed_codec_time_stands_until_steps_measure_the_ratio():
+    costs = StepCosts()
+    costs.rehearsed({0.25: 0.5, 0.01: 0.1})
+    assert costs.codec == {0.25: 0.5, 0.01: 0.1} and costs.exchange == {}
+    costs.codec[0.01] = 0.07  # measured on the run's steps
+    costs.rehearsed({0.01: 0.2})
+    assert costs.codec[0.01] == 0.07
+
+
+@pytest.mark.parametrize("mbps,share,warmup_dense", [(1000.0, 2.0, True), (100.0, 2.0, False),
+                                                     (1000.0, 0.0, False)])
+def test_the_warm_up_runs_dense_where_the_dense_exchange_costs_at_most_auto_warmup_share(mbps, share,
+                                                                                         warmup_dense):
+    """The tile encoder (ResNet-18 + ABMIL, 1.1 s of compute, its codec timed at 1 % before the first
+    step): at 1 Gbit/s the dense exchange (0.75 s) costs 0.7x the compute, over the 10 % budget, so
+    the steady choice compresses, but the warm-up's two epochs run dense (dense learned this task in one
+    epoch, 2026-11-27); at 100 Mbit/s (7.5 s, 6.8x) the warm-up compresses as a fixed ratio's does.
+    ``auto_warmup_share=0`` never runs it dense."""
+    schedule = KeepSchedule(CompressionConfig(keep_ratio="auto", warmup_epochs=2, auto_warmup_share=share))
+    schedule.costs.rehearsed({0.01: 0.1})
+    decision = schedule.decide(link(mbps), 1.1, model())
+    assert decision.ratio == 0.01
+    assert decision.warmup_dense == warmup_dense
+    assert decision.metrics()["auto_warmup_dense"] == float(warmup_dense)
+    warm_up = [1.0, 1.0] if warmup_dense else [0.25, 0.0625]
+    assert [schedule.ratio(e) for e in (1, 2, 3, 4)] == [*warm_up, 0.01, 0.01]
+    schedule.costs.exchange[1.0] = 0.05  # then dense measured cheap: dense, and no warm-up to run
+    assert schedule.decide(link(mbps), 1.1, model()).ratio == 1.0
+    assert not schedule.warmup_dense and schedule.ratio(1) == 1.0
 
 
 def test_measured_only_at_the_warm_up_ratio_auto_neither_explores_nor_stays_dense_wrongly():

@@ -98,6 +98,11 @@ class StepSync(Protocol):
     ) -> Contribution:
         """Worker: the message up of its gradient sum ``grad`` over ``n_bags`` bags (None without bags)."""
 
+    def codec_seconds(self, grad: torch.Tensor, keep_ratio: float, workers: int) -> float:
+        """Worker: seconds its codec would spend in one step at ``keep_ratio`` < 1 with ``workers`` workers
+        (encoding ``grad``, decoding and summing the step's payloads), this rank's codec state left as it
+        was (``keep_ratio=auto``'s first decision)."""
+
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         """Worker: send ``part``, receive the step's update, apply it to ``replica`` (version
         ``step.index + 1``)."""

@@ -63,6 +63,9 @@ class RelaySync:
         gradient = self.uplink.encode(grad, step.keep_ratio) if n_bags else b""
         return contribution(step.index, n_bags, gradient, buffers)
 
+    def codec_seconds(self, grad, keep_ratio, workers) -> float:
+        return self.uplink.codec_seconds(grad, keep_ratio, decodes=workers)  # each worker sums P payloads
+
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         start = time.perf_counter()
         channel.send_up(part.body)
