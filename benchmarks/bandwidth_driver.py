@@ -11,8 +11,10 @@ between a chunk's start and end are the chunk's traffic: its steps, without the 
 start's weights, link probes, evaluations and checkpoints. One other difference: the state asked for at
 an epoch's end (``RankGroup.ask_state``) is asked 0.15 s later, and a link probe starts 0.15 s after the
 chunk before it ended and returns 0.15 s after it ended, so that no such traffic is smeared into a
-chunk's window by the sampler's interpolation. The pauses lengthen a DPGS row's epochs (its time to
-target) by 0.15 s each.
+chunk's window by the sampler's interpolation. The pauses lengthen a DPGS row's epochs by 0.15 s each;
+the record lists them (``pauses``), and a row's time to its target leaves out those before the target's
+validation (``bandwidth_rows.paused_by_epoch``): a user's run has none. Until 2026-11-27 they were counted
+in, 0.45 s or more of a 4-6 s feature-bag run with ``keep_ratio=auto`` (a probe padded on both sides).
 
 Why both sides of a probe: the sampler reads the counters every 50 ms and interpolates them at a chunk's
 edges, so the bytes of the 50 ms around an edge are shared out in proportion to time. Traffic that starts

@@ -470,7 +470,10 @@ def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, long_bags, t
     params, stats, replicas, master = dpgs_run(config, data, batches, epochs=2)
     for epoch in stats:
         assert epoch["auto_keep_ratio"] == (0.1 if compressed else 1.0), epoch
-        assert epoch["auto_compute_seconds"] > 0 and epoch["auto_dense_exchange_seconds"] > 0
+        # on loopback a dense step's exchange, measured as the master's step time beyond the slowest worker's
+        # compute, can be nothing (clipped at 0: the next step's compute overlaps the master's optimizer step)
+        assert epoch["auto_compute_seconds"] > 0 and epoch["auto_dense_exchange_seconds"] >= 0
+        assert epoch["auto_dense_exchange_seconds"] > 0 or not compressed
         assert {"link_mbps_worker_0", "link_mbps_worker_1"} <= epoch.keys() or mbps is None
         assert epoch["optimizer_steps"] == 4.0
     assert all(torch.equal(r.params, master.params) for r in replicas)
