@@ -163,6 +163,10 @@ class CompressionConfig(Section):
         0.1, gt=0, lt=1, description="keep_ratio=auto: the largest ratio whose exchange costs at most this "
         "share of a step's compute (1 when the dense exchange does)"
     )
+    auto_min_saving: float = Field(
+        0.25, ge=0, lt=1, description="keep_ratio=auto compresses only where a compressed step is at least "
+        "this share shorter than a dense one (a compressed step learns less; docs/dpgs.md)"
+    )
     auto_warmup_share: float = Field(
         2.0, ge=0, description="keep_ratio=auto runs the warm-up epochs (warmup_epochs) dense where the "
         "dense exchange costs at most this multiple of a step's compute (0: never); early steps are where "

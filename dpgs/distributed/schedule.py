@@ -11,7 +11,11 @@
   (:meth:`StepCosts.overhead_at`); auto picks dense when the dense exchange costs at most
   ``auto_share`` of the compute, otherwise the largest of ``auto_ratios`` whose exchange stays within
   that share. When none does, the largest ratio whose exchange is within 10 % of the fastest one: on a
-  link whose latency dominates, compressing saves nothing.
+  link whose latency dominates, compressing saves nothing. A compressed choice whose step (compute and
+  exchange) is not at least ``auto_min_saving`` (25 %) shorter than a dense step is dropped for dense: a
+  compressed step learns less than a dense one (on a fast link and two shared cores, keep 1 %'s steps of
+  an ABMIL head were 14-16 % shorter than dense's and reached the validation target 1.35-1.42x later; on
+  ``make demo`` keep 1 % never reached the best validation AUC that classic and dense DPGS reach).
   The codec time matters on fast links: top-k selection, zstd and the sparse decode cost more than they
   save on loopback (measured: 30-100 ms a step against 5-15 ms dense for an ABMIL head). The links are
   probed only where a probe could change the choice (:meth:`KeepSchedule.dense_is_settled`).
@@ -253,7 +257,7 @@ class KeepSchedule:
         """Whether no probe of the links could change a dense choice: the run is dense, its dense steps were
         measured, and either they fit the budget or every compressed ratio's codec time alone (the least
         auto charges for its exchange, :meth:`StepCosts.codec_floor`) fits neither the budget nor within
-        10 % of dense's measured exchange."""
+        10 % of dense's measured exchange, or would save ``auto_min_saving`` of dense's step."""
         dense = self.costs.exchange.get(1.0)
         if not self.auto or self.steady < 1.0 or dense is None:
             return False
@@ -261,7 +265,14 @@ class KeepSchedule:
         if dense <= budget:
             return True
         lower = [self.costs.codec_floor(k) for k in self.cfg.auto_ratios if k < 1.0]
-        return all(b > budget and 1.1 * b >= dense for b in lower)
+        return all((b > budget and 1.1 * b >= dense) or not self._saves(compute_seconds, b, dense)
+                   for b in lower)
+
+    def _saves(self, compute_seconds: float, exchange: float, dense_exchange: float) -> bool:
+        """Whether a compressed step whose exchange takes ``exchange`` is at most ``1 - auto_min_saving`` of a
+        dense step's time (the compute plus each one's exchange)."""
+        step, dense_step = compute_seconds + exchange, compute_seconds + dense_exchange
+        return step <= (1.0 - self.cfg.auto_min_saving) * dense_step
 
     def keep_dense(self, compute_seconds: float) -> KeepDecision:
         """The decision when :meth:`dense_is_settled`: dense, from what its steps cost."""
@@ -287,6 +298,8 @@ class KeepSchedule:
         fitting = [k for k in candidates if seconds[k] <= budget]
         fastest = min(seconds.values())
         self.steady = fitting[0] if fitting else next(k for k in candidates if seconds[k] <= 1.1 * fastest)
+        if self.steady < 1.0 and not self._saves(compute_seconds, seconds[self.steady], seconds[1.0]):
+            self.steady = 1.0  # a compressed step learns less than a dense one: a small saving loses time
         self.warmup_dense = (self.steady < 1.0 and self.cfg.warmup_epochs > 0
                              and seconds[1.0] <= self.cfg.auto_warmup_share * compute_seconds)
         return KeepDecision(self.steady, compute_seconds, seconds[1.0], seconds[self.steady],
