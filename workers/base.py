@@ -214,11 +214,13 @@ class Worker(ABC):
                 break
         return result
 
-    def _step(self, step: StepPlan, following: StepPlan | None) -> WorkerStep:
+    def _holds_version_of(self, step: StepPlan, asked: str) -> None:
         if step.index != self.replica.version:
-            raise RuntimeError(
-                f"worker {self.worker} holds version {self.replica.version}, asked to run step {step.index}"
-            )
+            raise RuntimeError(f"worker {self.worker} holds version {self.replica.version}, "
+                               f"asked to {asked} step {step.index}")
+
+    def _step(self, step: StepPlan, following: StepPlan | None) -> WorkerStep:
+        self._holds_version_of(step, "run")
         if self.pending is None or self.pending.part.step != step.index:
             ready = self.computed is not None and self.computed.step == step.index
             self.pending = self._encode(step, self.computed if ready else self._compute(step, following))
@@ -234,9 +236,7 @@ class Worker(ABC):
         """``keep_ratio=auto``'s first decision: compute this worker's part of ``step`` (kept: the step
         encodes it at the ratio then decided, nothing is computed twice) and time the codec on that gradient
         at each of ``ratios`` (on a copy of the codec state: the residual is untouched)."""
-        if step.index != self.replica.version:
-            raise RuntimeError(f"worker {self.worker} holds version {self.replica.version}, "
-                               f"asked to rehearse step {step.index}")
+        self._holds_version_of(step, "rehearse")
         self.computed = self._compute(step, following)
         codec = {k: self.sync.codec_seconds(self.computed.grad, k, len(step.bags))
                  for k in ratios if k < 1.0 and self.computed.n_bags}

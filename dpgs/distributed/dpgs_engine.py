@@ -225,11 +225,9 @@ class DpgsEngine:
             rehearsals = self.group.rehearse(first, following, self.keep.rehearsal_ratios())
             self.rehearsed_step = first.index
             self.compute_seconds = max(r.compute_seconds for r in rehearsals)
-            codec: dict[float, float] = {}
-            for r in rehearsals:
-                for keep, seconds in r.codec_seconds.items():
-                    codec[keep] = max(codec.get(keep, 0.0), seconds)
-            self.keep.costs.rehearsed(codec)
+            timed = {k for r in rehearsals for k in r.codec_seconds}
+            slowest = {k: max(r.codec_seconds.get(k, 0.0) for r in rehearsals) for k in timed}
+            self.keep.costs.rehearsed(slowest)
         probed, note = False, " (measured on its steps; the links were not probed)"
         if self.keep.dense_is_settled(self.compute_seconds):
             decision, link_figures = self.keep.keep_dense(self.compute_seconds), {}
