@@ -19,7 +19,9 @@ default, ``keep_ratio=auto``), with P workers (``--workers``, default 2) on one 
 * ``100mbit``, ``1gbit``: the lab (``tests/lab/netlab.py``): a head host (Ray head, the dpgs driver and
   master) and P worker hosts (one Ray node with 1 CPU each: one DPGS worker, or one DDP rank, per host),
   each host's link shaped with tc tbf to the rate, the head's too (``--unshaped-head``: the workers'
-  only). This kernel has no netem: no delay is added (the links' latency is the veth's, ~0.05 ms).
+  only). Undelayed, a link's latency is the veth's (~0.05 ms round trip); ``100mbit+1ms`` also delays
+  each worker host's link 1 ms each way (this kernel has no netem: the lab's delay line does it,
+  ``tests/lab/delay.py``; measured: a 1 ms + 1 ms round trip takes 2.25 ms).
 
 What a row measures is described in ``bandwidth_rows``; rows are written after each run to ``--out``
 (a JSON list; rows of other workloads, links or methods already there are kept), so an interrupted run

@@ -2,8 +2,9 @@
 
 * :class:`LabSite`: the multi-host lab (``tests/lab/netlab.py``): a Ray cluster of the head (the DPGS
   driver and master, ``--num-cpus=0``) and one node per worker host (``--num-cpus=1``), every host's link
-  shaped to one rate with tc (tbf: this kernel has no netem, so no delay is added) or the worker hosts'
-  links only; DDP ranks run one per worker host, the rendezvous on worker 1.
+  shaped to one rate with tc (tbf: this kernel has no netem; a worker link's delay, ``100mbit+1ms``, comes
+  from the lab's delay line, ``tests/lab/delay.py``) or the worker hosts' links only; DDP ranks run one per
+  worker host, the rendezvous on worker 1.
 * :class:`LoopbackSite`: one host, no lab: every process of a row on this machine, inside a private
   network namespace (``unshare --net``, brought up by ``benchmarks/bandwidth.py``), so that the loopback's
   counters hold only the row's traffic.
@@ -127,25 +128,34 @@ class CounterSampler:
 
 @dataclass(frozen=True)
 class Link:
-    """The link of a row: ``rate_mbit`` None is the loopback (one host)."""
+    """The link of a row: ``rate_mbit`` None is the loopback (one host); ``delay_ms``: each worker host's
+    link delayed that much each way (``tests/lab/netlab.py``: netem, or its delay line without netem)."""
 
     rate_mbit: float | None
+    delay_ms: float = 0.0
 
     @property
     def name(self) -> str:
         if self.rate_mbit is None:
             return "loopback"
-        return f"{self.rate_mbit / 1000:g}gbit" if self.rate_mbit >= 1000 else f"{self.rate_mbit:g}mbit"
+        rate = f"{self.rate_mbit / 1000:g}gbit" if self.rate_mbit >= 1000 else f"{self.rate_mbit:g}mbit"
+        return rate + (f"+{self.delay_ms:g}ms" if self.delay_ms else "")
 
     @classmethod
     def parse(cls, text: str) -> Link:
+        """``loopback``, ``<n>mbit`` or ``<n>gbit``, optionally ``+<d>ms`` (a worker link's delay)."""
         t = text.strip().lower()
         if t == "loopback":
             return cls(None)
-        for suffix, scale in (("gbit", 1000.0), ("mbit", 1.0)):
-            if t.endswith(suffix):
-                return cls(float(t.removesuffix(suffix)) * scale)
-        raise ValueError(f"link {text!r}: expected loopback, <n>mbit or <n>gbit")
+        rate, _, delay = t.partition("+")
+        try:
+            delay_ms = float(delay.removesuffix("ms")) if delay else 0.0
+            for suffix, scale in (("gbit", 1000.0), ("mbit", 1.0)):
+                if rate.endswith(suffix) and (not delay or delay.endswith("ms")) and delay_ms >= 0:
+                    return cls(float(rate.removesuffix(suffix)) * scale, delay_ms)
+        except ValueError:
+            pass
+        raise ValueError(f"link {text!r}: expected loopback, <n>mbit or <n>gbit, optionally +<d>ms")
 
 
 class LabSite:
@@ -243,14 +253,17 @@ class LabSite:
     def shape(self, link: Link) -> None:
         hosts = (["head"] if self.shape_head else []) + self.workers
         for host in ["head", *self.workers]:
-            self.lab.link(host, rate_mbit=link.rate_mbit if host in hosts else None)
+            self.lab.link(host, rate_mbit=link.rate_mbit if host in hosts else None,
+                          delay_ms=link.delay_ms if host in self.workers else 0.0)
         self.link = link
 
     @property
     def shaped(self) -> str:
         if self.link.rate_mbit is None:
             return "unshaped"
-        return "every host's link (head and workers)" if self.shape_head else "the worker hosts' links"
+        where = "every host's link (head and workers)" if self.shape_head else "the worker hosts' links"
+        return where + (f", each worker link delayed {self.link.delay_ms:g} ms each way" if self.link.delay_ms
+                        else "")
 
     # ---------------------------------------------------------------- processes
     def sampler(self) -> CounterSampler:

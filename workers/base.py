@@ -197,9 +197,9 @@ class Worker(ABC):
     def load_sync_state(self, state: dict) -> None:
         self.sync.load_state_dict(state)
 
-    def probe_link(self, sizes: tuple[int, ...]) -> None:
+    def probe_link(self) -> None:
         """Answer the master's link probe (``dpgs.distributed.link_probe``)."""
-        probe_as_worker(self.channel, sizes)
+        probe_as_worker(self.channel)
 
     # ---------------------------------------------------------------- steps
     def run_chunk(self, plan: ChunkPlan) -> ChunkResult:

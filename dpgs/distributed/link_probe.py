@@ -2,7 +2,11 @@
 
 For each probe size S the master sends S bytes to every worker at once (``send_down``), every worker
 answers with S bytes as soon as it has them (``send_up``), and the master records when each answer
-arrived (``Channel.gather_up(timed=True)``). Worker w's round trip is modelled as
+arrived (``Channel.gather_up(timed=True)``). A size's round is repeated (up to ``REPEATS`` rounds, the
+fastest kept) only while its rounds have taken less than ``REPEAT_BELOW_S`` in all: a round that short is
+mostly fixed costs, where one delayed packet or wake-up weighs; a longer one is mostly transfer, which a
+second round would only measure again at the same cost (at 100 Mbit/s the second round of a 0.65 MB probe
+was 0.18 s of a 5 s run). An empty message down ends the probe. Worker w's round trip is modelled as
 
     round_trip_w(S) = latency_w + 2 S / rate_w
 
@@ -27,6 +31,7 @@ from dpgs.distributed.transport import Channel
 SMALL_PROBE = 64 << 10
 LARGE_PROBE_MAX = 1 << 20  # 16x the small one; at 100 Mbit/s a probe of two rounds took 2.8 s at 4 MiB
 REPEATS = 2
+REPEAT_BELOW_S = 0.05  # a size's rounds are repeated while they took less than this in all
 PROBE_SHARE = 0.05  # re-probing the links takes at most this share of a run's wall time
 
 
@@ -74,26 +79,30 @@ class LinkProbe:
 
 
 def probe_as_master(channel: Channel, sizes: tuple[int, ...]) -> LinkProbe:
-    """The master's side: ``REPEATS`` rounds per size, every worker at once; the fastest of each."""
+    """The master's side: rounds of each size, every worker at once, repeated while short (module
+    docstring); the fastest round of each worker per size. Ends the probe with an empty message."""
     seconds = []
     for size in sizes:
-        rounds = []
-        for _ in range(REPEATS):
+        rounds: list[list[float]] = []
+        spent = 0.0
+        while len(rounds) < REPEATS and (not rounds or spent < REPEAT_BELOW_S):
             start = time.perf_counter()
             channel.send_down(torch.zeros(size, dtype=torch.uint8))
             replies = channel.gather_up(timed=True)
+            spent += time.perf_counter() - start
             if any(r.numel() != size for r in replies):
                 got = [r.numel() for r in replies]
                 raise RuntimeError(f"link probe: workers answered {got} bytes, not {size}")
             rounds.append([arrived - start for arrived in channel.arrivals])
         seconds.append(tuple(min(times) for times in zip(*rounds, strict=True)))
+    channel.send_down(torch.empty(0, dtype=torch.uint8))
     return LinkProbe(tuple(sizes), tuple(seconds))
 
 
-def probe_as_worker(channel: Channel, sizes: tuple[int, ...]) -> None:
-    """A worker's side: answer each probe with as many bytes as it received."""
-    for _ in range(REPEATS * len(sizes)):
-        channel.send_up(channel.recv_down())
+def probe_as_worker(channel: Channel) -> None:
+    """A worker's side: answer each probe message with as many bytes as it received, until an empty one."""
+    while (body := channel.recv_down()).numel():
+        channel.send_up(body)
 
 
 @dataclass

@@ -238,7 +238,7 @@ class RankGroup:
     @reports_ray_failures("probing the links between the master and the workers")
     def probe_links(self, sizes: tuple[int, ...]) -> LinkProbe:
         """Round trips of a probe exchange between the master and every worker (between two chunks)."""
-        refs = [self.master.probe_link.remote(sizes), *self.workers.call("probe_link", sizes)]
+        refs = [self.master.probe_link.remote(sizes), *self.workers.call("probe_link")]
         return self._get(refs)[0]
 
     @reports_ray_failures("computing the first step for keep_ratio=auto's first decision")

@@ -13,6 +13,7 @@ run, so ``dpgs heatmap --run DIR`` finds the run to log to). The best epoch maxi
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import math
 import sys
@@ -87,6 +88,20 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def freeze_startup_heap() -> None:
+    """Move every object the process holds to the garbage collector's permanent generation, once per process.
+
+    When the first fold starts, the driver holds about half a million objects that live as long as the
+    command: the modules, Ray's, MLflow's and SQLAlchemy's state, the dataset's records. A full collection
+    traverses all of them: 0.23 s on the 2-core development machine, 0.27-0.30 s on the lab's head, where it
+    fell between epochs 3 and 4 of 5 of 6 ten-epoch feature-bag runs (a tenth of their time to target; found
+    with ``gc.callbacks``). Frozen, they are never traversed again: the collections during training see
+    only what training allocates. Objects are still freed when their last reference goes; what freezing
+    keeps is only garbage already in a reference cycle at that moment, and that is never collected."""
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
+
+
 def is_improvement(value: float, best: float | None, mode: str) -> bool:
     if value is None or not math.isfinite(value):
         return False
@@ -139,6 +154,7 @@ class FoldTrainer:
     def run(self, tracker: RunTracker, session: Session, checkpoint: Checkpoint | None = None) -> FoldResult:
         """Train and test the split; ``checkpoint`` (checked by dpgs.train.resume_check) is continued."""
         cfg = self.config
+        freeze_startup_heap()
         seed_everything(cfg.seed, cfg.train.deterministic)
         train_idx, val_idx, test_idx = self.split.train, self.split.val, self.split.test
         labels = [self.dataset.records[i].label for i in train_idx]

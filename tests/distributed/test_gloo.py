@@ -48,7 +48,7 @@ def rank_main(rank: int, port: int, results) -> None:
         expected = [big(r)[:-3] for r in range(1, WORLD) if r != rank]
         relayed_ok = [torch.equal(h, e) for h, e in zip(heads, expected, strict=True)]
         down2 = channel.recv_down()
-        probe_as_worker(channel, SIZES)
+        probe_as_worker(channel)
         results.put((f"worker{rank}", (down.tolist(), relayed_ok, down2.tolist()), None))
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from dpgs.distributed.link_probe import (
     PROBE_SHARE,
+    REPEAT_BELOW_S,
     LinkProbe,
     LinkWatch,
     probe_as_master,
@@ -23,7 +24,7 @@ def test_probe_measures_each_workers_emulated_link():
     wire = Wire(2)
     links = [EmulatedLink(wire.worker(0), 80.0), EmulatedLink(wire.worker(1), 20.0)]
     sizes = (64 << 10, 1 << 20)
-    threads = [threading.Thread(target=probe_as_worker, args=(link, sizes)) for link in links]
+    threads = [threading.Thread(target=probe_as_worker, args=(link,)) for link in links]
     for t in threads:
         t.start()
     probe = probe_as_master(wire.master(), sizes)
@@ -33,6 +34,43 @@ def test_probe_measures_each_workers_emulated_link():
     assert rates[0] == pytest.approx(80.0, rel=0.3) and rates[1] == pytest.approx(20.0, rel=0.3)
     # the exchange of 1 MB each way waits for the slow worker: about 2 MB at 20 Mbit/s
     assert probe.exchange_seconds(1e6, 1e6) == pytest.approx(2e6 * 8 / 20e6, rel=0.3)
+
+
+class SentDown:
+    """The master's channel, recording the size of every message it sends down."""
+
+    def __init__(self, channel):
+        self.channel, self.sizes = channel, []
+
+    def send_down(self, body):
+        self.sizes.append(body.numel())
+        self.channel.send_down(body)
+
+    def gather_up(self, timed=False, forward=None):
+        return self.channel.gather_up(timed, forward)
+
+    @property
+    def arrivals(self):
+        return self.channel.arrivals
+
+
+def test_a_probe_repeats_only_its_short_rounds_and_ends_with_an_empty_message():
+    """At 100 Mbit/s a 64 KiB round takes about 10 ms (repeated: fixed costs weigh) and a 1 MiB round
+    about 170 ms (taken once: a second would measure the same transfer again at the same cost); the
+    workers stop answering at the empty message."""
+    wire = Wire(2)
+    links = [EmulatedLink(wire.worker(w), 100.0) for w in range(2)]
+    threads = [threading.Thread(target=probe_as_worker, args=(link,)) for link in links]
+    for t in threads:
+        t.start()
+    master = SentDown(wire.master())
+    probe = probe_as_master(master, (64 << 10, 1 << 20))
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+    assert master.sizes == [64 << 10, 64 << 10, 1 << 20, 0]
+    assert 2 * (1 << 20) * 8 / 100e6 > REPEAT_BELOW_S
+    assert 8 * probe.fit(0)[1] / 1e6 == pytest.approx(100.0, rel=0.3)
 
 
 def test_probe_sizes_a_small_and_at_most_a_mebibyte():

@@ -21,8 +21,9 @@ Every host is a machine of its own as far as Ray, ssh and dpgs can tell:
   system).
 
 Each host link is shaped with ``tc`` on both of its ends (:meth:`Lab.link`: rate, delay, loss) and can be
-cut (:meth:`Lab.cut`). Delay needs the kernel's netem qdisc; without it (kernels built without
-``CONFIG_NET_SCH_NETEM``) rate is shaped with tbf and loss is dropped by netfilter, and a delay is refused.
+cut (:meth:`Lab.cut`). Where the kernel has no netem qdisc (built without ``CONFIG_NET_SCH_NETEM``), rate
+is shaped with tbf, loss is dropped by netfilter, and delay is added by a user-space delay line behind
+netfilter queues (``tests/lab/delay.py``; it needs a C compiler).
 
 Tear-down (:meth:`Lab.down`, also ``python -m tests.lab.netlab down``) kills every process of the lab's
 network namespaces by id (a host's PID 1 takes its whole PID namespace with it, so its Ray goes too) and
@@ -61,6 +62,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.lab import delay
 
 NAME = "dpgslab"
 SUBNET = "10.213.0"
@@ -282,7 +285,7 @@ class Lab:
         self.name, self.state, self.hosts, self.venv, self.netem = name, state, hosts, venv, netem
         self.key = state / "id_ed25519"
         self.data = state / "data"
-        self.links: dict[str, Link] = {h: Link() for h in hosts}
+        self.links: dict[str, Link] = {}  # shaped by :meth:`link` (:meth:`link_of`)
 
     # ---------------------------------------------------------------- bring up
     @classmethod
@@ -524,15 +527,16 @@ class Lab:
         """(netns, device) of both ends of ``host``'s link: its egress, and the switch port toward it."""
         return [(self.hosts[host].netns, "eth0"), (f"{self.name}-switch", f"p-{host}")]
 
+    def link_of(self, host: str) -> Link:
+        """How ``host``'s link is shaped now (unshaped until :meth:`link` shapes it)."""
+        return self.links.get(host, Link())
+
     def link(self, host: str, rate_mbit: float | None = None, delay_ms: float = 0.0, loss_pct: float = 0.0,
              ) -> None:
         """Shape ``host``'s link, each direction: ``rate_mbit`` (None: unlimited), ``delay_ms`` one way,
         ``loss_pct`` of packets dropped. All zero/None: unshaped."""
         if rate_mbit is not None and rate_mbit <= 0 or delay_ms < 0 or not 0 <= loss_pct <= 100:
             raise LabError(f"bad link {rate_mbit=} {delay_ms=} {loss_pct=}")
-        if delay_ms and not self.netem:
-            raise LabError("a link delay needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this "
-                           "kernel lacks; rate and loss work without it")
         for netns, dev in self._ends(host):
             subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], capture_output=True)
             if self.netem and (rate_mbit or delay_ms or loss_pct):
@@ -545,18 +549,40 @@ class Lab:
                 burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 / 100))  # 10 ms of traffic, at least 64 KiB
                 sh("tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
                    "burst", str(burst), "latency", "2s")
-        if not self.netem:
-            self._netfilter_loss(host, loss_pct)
+        delay_changed = self.link_of(host).delay_ms != delay_ms
         self.links[host] = Link(rate_mbit, delay_ms, loss_pct)
+        if not self.netem:  # a host's delay is waited where its packets arrive: every host's rules change
+            for other in (self.hosts if delay_changed else [host]):
+                self._netfilter(other)
 
-    def _netfilter_loss(self, host: str, loss_pct: float) -> None:
+    def _delay_queues(self, host: str) -> list[delay.Queue]:
+        """What ``host`` delays on receipt: from each other host, the two links' delays (one queue each)."""
+        own = self.link_of(host).delay_ms
+        return [delay.Queue(number, h.address, self.link_of(name).delay_ms + own)
+                for number, (name, h) in enumerate(self.hosts.items())
+                if name != host and self.link_of(name).delay_ms + own > 0]
+
+    def _netfilter(self, host: str) -> None:
+        """``host``'s loss (dropped both ways) and delay (:mod:`tests.lab.delay`) without netem."""
         netns = self.hosts[host].netns
         iptables = ["ip", "netns", "exec", netns, "iptables", "-w"]
+        loss_pct = self.link_of(host).loss_pct
         for chain, flag in (("INPUT", "-i"), ("OUTPUT", "-o")):
             sh(*iptables, "-F", chain)
             if loss_pct:
                 sh(*iptables, "-A", chain, flag, "eth0", "-m", "statistic", "--mode", "random",
                    "--probability", f"{loss_pct / 100:.6f}", "-j", "DROP")
+        queues = self._delay_queues(host)
+        pid_file = self.state / "hosts" / host / "delayline.pid"
+        if not queues:
+            delay.stop(pid_file)
+            return
+        try:
+            delay.start(delay.build(self.state), netns, queues, pid_file)
+        except delay.DelayError as err:
+            raise LabError(str(err)) from None
+        for rule in delay.rules("eth0", queues):
+            sh(*iptables, *rule)
 
     def cut(self, host: str) -> None:
         """Cut ``host``'s link (its switch port goes down: nothing passes either way)."""

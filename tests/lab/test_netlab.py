@@ -31,9 +31,19 @@ def test_hosts_have_the_labs_own_addresses():
     assert addresses == ["10.213.0.2", "10.213.0.10", "10.213.0.11", "10.213.0.12", "10.213.0.13"]
 
 
-def test_a_delay_is_refused_without_netem():
-    with pytest.raises(LabError, match="netem"):
-        fake_lab().link("worker1", delay_ms=5)
+def test_without_netem_each_host_delays_what_it_receives_by_both_links_delays():
+    """worker1's link delayed 1 ms, worker2's 0.5 ms: the head waits 1 ms for worker1's packets and 0.5 ms
+    for worker2's, worker1 waits 1.5 ms for worker2's (two delayed links) and 1 ms for anyone else's."""
+    lab = fake_lab()
+    lab.links["worker1"] = netlab.Link(delay_ms=1.0)
+    lab.links["worker2"] = netlab.Link(delay_ms=0.5)
+    queues = {h: {(q.source, q.delay_ms) for q in lab._delay_queues(h)} for h in lab.hosts}
+    w1, w2 = netlab.host_address("worker1"), netlab.host_address("worker2")
+    client, head = netlab.host_address("client"), netlab.host_address("head")
+    assert queues["head"] == queues["client"] == {(w1, 1.0), (w2, 0.5)}
+    assert queues["worker1"] == {(client, 1.0), (head, 1.0), (w2, 1.5)}
+    assert queues["worker2"] == {(client, 0.5), (head, 0.5), (w1, 1.5)}
+    assert len({q.number for q in lab._delay_queues("worker1")}) == 3  # a queue per source
 
 
 def test_the_lab_config_is_cluster_yaml_with_the_edits_docs_cluster_md_asks_for():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gc
 import json
 
 import pytest
@@ -20,6 +21,24 @@ LENGTHS = [3, 40, 7, 1, 90, 12, 5, 30, 2, 60, 8, 15, 4, 22, 9, 11, 6, 50, 13, 2]
 @pytest.fixture(scope="module")
 def bags(tmp_path_factory):
     return write_bags(tmp_path_factory.mktemp("bags"), LENGTHS)
+
+
+def test_training_freezes_the_startup_heap_once(bags, tmp_path):
+    """What the process holds when the first fold starts (modules, MLflow's state, the data) is moved out
+    of the collector's reach, so a full collection during training does not traverse it; a second command
+    in the same process freezes nothing more."""
+    gc.unfreeze()
+    try:
+        startup = [[] for _ in range(100)]  # cyclic-collector objects alive before the command
+        run_training(make_config(*bags, tmp_path / "a", "train.mode=packed", "train.epochs=1"))
+        tracked = {id(o) for o in gc.get_objects()}  # the collector's generations, not the frozen objects
+        assert not any(id(o) in tracked for o in startup)
+        later = [[] for _ in range(100)]
+        run_training(make_config(*bags, tmp_path / "b", "train.mode=packed", "train.epochs=1"))
+        tracked = {id(o) for o in gc.get_objects()}
+        assert all(id(o) in tracked for o in later)
+    finally:
+        gc.unfreeze()
 
 
 def test_packed_run_writes_outputs_and_logs_contract(bags, tmp_path):
