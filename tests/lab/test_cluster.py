@@ -227,7 +227,9 @@ def finish_or_resume(lab: Lab, user: UserSession, stream, run: str, overrides: l
         assert errors, f"exit {code} without a `dpgs train: error:` line:\n{output[-6000:]}"
         outcome.update(outcome="failed cleanly, resumed", exit_code=code, error=errors[-1][:300])
         again = user.on_head(train_command(run, *overrides, resume=True), timeout=1800, check=False)
-        assert exit_code(again.result.stdout) == 0, again.result.stdout[-6000:]
+        assert exit_code(again.result.stdout) == 0, (
+            f"the run failed ({errors[-1]}), then its resume failed:\n{again.result.stdout[-6000:]}\n"
+            f"the run's output:\n{output[-4000:]}")
         outcome["resume_s"] = round(again.seconds, 1)
     record = mlflow_run(head_file(lab, "mlflow.db"), run)
     outcome["mlflow_status"] = record["status"]
