@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -147,15 +148,13 @@ class Link:
         t = text.strip().lower()
         if t == "loopback":
             return cls(None)
-        rate, _, delay = t.partition("+")
+        match = re.fullmatch(r"([0-9.]+)(mbit|gbit)(?:\+([0-9.]+)ms)?", t)
         try:
-            delay_ms = float(delay.removesuffix("ms")) if delay else 0.0
-            for suffix, scale in (("gbit", 1000.0), ("mbit", 1.0)):
-                if rate.endswith(suffix) and (not delay or delay.endswith("ms")) and delay_ms >= 0:
-                    return cls(float(rate.removesuffix(suffix)) * scale, delay_ms)
-        except ValueError:
-            pass
-        raise ValueError(f"link {text!r}: expected loopback, <n>mbit or <n>gbit, optionally +<d>ms")
+            rate, unit, delay = match.groups()
+            return cls(float(rate) * (1000.0 if unit == "gbit" else 1.0), float(delay or 0.0))
+        except (AttributeError, ValueError):  # no match, or a number such as "1.2.3"
+            expected = "expected loopback, <n>mbit or <n>gbit, optionally +<d>ms"
+            raise ValueError(f"link {text!r}: {expected}") from None
 
 
 class LabSite:
