@@ -49,6 +49,10 @@ METHODS: dict[str, tuple[str, ...]] = {
     "keep1-grad-warm4": (*KEEP1, "dpgs.compression.warmup_epochs=4"),
     "keep1-grad-fp32": (*KEEP1, "dpgs.compression.value_dtype=fp32"),
     "keep1-grad-nowarm": (*KEEP1, "dpgs.compression.warmup_epochs=0"),
+    # Adam's second moment frozen after the dense warm-up epochs (dpgs.train.frozen_adam)
+    "keep1-frozen": (*KEEP1, "dpgs.compression.second_moment=frozen"),
+    "keep1-frozen-warm1": (*KEEP1, "dpgs.compression.second_moment=frozen",
+                           "dpgs.compression.warmup_epochs=1"),
     "keep10-grad": (*DPGS, "dpgs.compression.keep_ratio=0.1"),
     "keep30-grad": (*DPGS, "dpgs.compression.keep_ratio=0.3"),
     "auto": (*DPGS, "dpgs.compression.keep_ratio=auto"),

@@ -8,7 +8,8 @@ with its own :class:`dpgs.distributed.codec.Uplink` (its error-feedback residual
 by another ``Uplink`` as the master does and one :class:`Replica` steps with the runtime's optimizer,
 learning rate (``learning_rate``) and keep ratio (``dpgs.distributed.schedule.KeepSchedule``; a
 fixed ratio: ``auto`` measures a real link, which a simulation does not have). No Ray, no transport, no
-dropout seeding as the workers do: for screening settings only; final figures come from ``dpgs train``
+dropout seeding as the workers do (``second_moment=frozen`` freezes and preconditions as
+``RelaySync`` does): for screening settings only; final figures come from ``dpgs train``
 (``benchmarks/short_runs.py``). Prints the validation AUC per epoch and the test AUC of the last epoch.
 """
 
@@ -77,6 +78,8 @@ def simulate(config) -> list[float]:
         for s, batch in enumerate(batches):
             lr = learning_rate(config.train, epoch, s, len(batches))
             keep = schedule.ratio(epoch)
+            if cfg.second_moment == "frozen" and keep < 1.0:  # as every rank does (RelaySync)
+                replica.freeze_second_moment(cfg.second_moment_floor)
             plan = assign_lpt([lengths[i] for i in batch], workers)
             params = replica.flat_params()
             payloads, counts = [], []
@@ -93,7 +96,10 @@ def simulate(config) -> list[float]:
                 labels = torch.tensor([b.label for b in bags])
                 out = batch_loss(m, [b.features for b in bags], labels, "dpgs")
                 out["per_bag"].sum().backward()
-                payloads.append(as_part(encoders[w].encode(flat_grads(m), keep)))
+                grad = flat_grads(m)
+                if replica.frozen:
+                    grad = grad / replica.preconditioner()
+                payloads.append(as_part(encoders[w].encode(grad, keep)))
             total = decoder.sum_into(torch.zeros(replica.numel), payloads, counts, keep)
             replica.step(total.div_(len(batch)), lr, 1.0)
         curve.append(auc(model, data.dataset, split.val))

@@ -135,7 +135,7 @@ class Master:
 
     def load_state_dict(self, state: MasterCheckpoint) -> int:
         self.replica.model.load_state_dict(state.model)
-        self.replica.optimizer.load_state_dict(state.optimizer)
+        self.replica.load_optimizer(state.optimizer)
         self.replica.version = state.step
         self.sync.load_state_dict(state.sync)
         return self.replica.version

@@ -290,7 +290,7 @@ class Worker(ABC):
     def _encode(self, step: StepPlan, computed: Computed) -> Pending:
         """This worker's message up of ``step`` at the step's keep ratio."""
         start = time.perf_counter()
-        part = self.sync.contribute(step, computed.n_bags, computed.grad, computed.buffers)
+        part = self.sync.contribute(step, computed.n_bags, computed.grad, computed.buffers, self.replica)
         computed.report.encode_seconds = time.perf_counter() - start
         computed.report.up_bytes = part.up_bytes
         return Pending(part, computed.report)

@@ -177,6 +177,16 @@ class CompressionConfig(Section):
         "relative to the RMS of their tensor (every tensor sends about its share); magnitude: the largest "
         "|g| of the whole model (DMGC, DGC)"
     )
+    second_moment: Literal["live", "frozen"] = Field(
+        "live", description="frozen: after the warm-up epochs (run dense), Adam's second moment is frozen "
+        "and the workers compress gradients preconditioned by it, so error feedback is exact under Adam "
+        "(1-bit Adam's split; dpgs.train.frozen_adam, docs/convergence.md); live: the master's Adam takes "
+        "the compressed gradients"
+    )
+    second_moment_floor: float = Field(
+        1.0, ge=0, description="second_moment=frozen: no coordinate's frozen sqrt(v) below this multiple of "
+        "its tensor's median"
+    )
     value_dtype: Literal["fp32", "fp16", "bf16"] = "fp16"
     clip_norm: float | None = Field(None, gt=0)
     zstd_level: int = Field(3, ge=1, le=22)
@@ -268,6 +278,28 @@ class Config(Section):
                 f"train.momentum={self.train.momentum:g} would apply momentum twice; set train.optimizer=sgd "
                 "and train.momentum=0, or unset momentum_correction"
             )
+        comp = self.dpgs.compression
+        if comp.second_moment == "frozen":
+            clashes = [f"{key}={value}" for key, value, bad in [
+                ("train.optimizer", self.train.optimizer, self.train.optimizer not in ("adam", "adamw")),
+                ("dpgs.compression.downlink", comp.downlink, comp.downlink != "gradients"),
+                ("train.grad_clip", self.train.grad_clip, self.train.grad_clip is not None),
+                ("dpgs.compression.clip_norm", comp.clip_norm, comp.clip_norm is not None),
+                ("dpgs.compression.warmup_epochs", comp.warmup_epochs, comp.warmup_epochs == 0),
+            ] if bad]
+            if clashes:
+                raise ValueError(
+                    "dpgs.compression.second_moment=frozen freezes Adam's second moment after dense warm-up "
+                    "epochs and needs train.optimizer=adam|adamw, dpgs.compression.downlink=gradients, no "
+                    "gradient clipping and dpgs.compression.warmup_epochs >= 1; got " + ", ".join(clashes)
+                )
+            if model.encoder is not None and not model.freeze_encoder:
+                raise ValueError(
+                    f"dpgs.compression.second_moment=frozen with model.encoder={model.encoder} trained end "
+                    "to end (model.freeze_encoder=false): a frozen second moment let a trained ResNet-18's "
+                    "loss diverge in its fourth frozen epoch (docs/convergence.md); use it for MIL heads "
+                    "(feature bags, or model.freeze_encoder=true), or second_moment=live"
+                )
         g = self.dpgs.sample_parallel
         if g > 1:
             if self.train.mode != "dpgs":

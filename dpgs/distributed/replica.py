@@ -5,6 +5,10 @@ they take the master's steps themselves (``downlink=gradients``), else without: 
 gradient, the same clip factor and learning rate, :meth:`Replica.step` takes exactly the master's step
 (one function, :func:`dpgs.train.optim.optimizer_step`; the same thread count on every rank keeps it bit
 for bit).
+
+With ``dpgs.compression.second_moment=frozen`` every rank turns its Adam into a
+:class:`dpgs.train.frozen_adam.FrozenAdam` at the same step (:meth:`Replica.freeze_second_moment`), and
+the gradients it is given from then on are preconditioned by :meth:`Replica.preconditioner`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from dpgs.config.schema import TrainConfig
 from dpgs.distributed.flat import flat_params, float_buffers, load_flat_params, trainable
 from dpgs.distributed.messages import ReplicaState
+from dpgs.train.frozen_adam import FrozenAdam, freeze
 from dpgs.train.optim import build_optimizer, optimizer_step
 
 
@@ -28,6 +33,7 @@ class Replica:
         self.buffer_list = float_buffers(model)
         self.n_buffers = sum(b.numel() for b in self.buffer_list)
         self.optimizer: torch.optim.Optimizer | None = None
+        self._denominators: tuple[torch.optim.Optimizer, torch.Tensor] | None = None  # (frozen optimizer, d)
         self.version = 0
 
     def flat_params(self) -> torch.Tensor:
@@ -81,8 +87,37 @@ class Replica:
         if self.optimizer is not None:
             if state.optimizer is None:
                 raise ValueError("resynchronisation without optimizer state for a replica optimizer")
-            self.optimizer.load_state_dict(state.optimizer)
+            self.load_optimizer(state.optimizer)
         self.version = state.version
+
+    def load_optimizer(self, state_dict: dict) -> None:
+        """Restore an optimizer state (a checkpoint's, a resynchronisation's), frozen or not: a FrozenAdam's
+        state makes this replica's optimizer a FrozenAdam, and an Adam's a fresh one of the config."""
+        if FrozenAdam.holds(state_dict):
+            self.optimizer = FrozenAdam.empty(self.params, state_dict["param_groups"])
+        elif isinstance(self.optimizer, FrozenAdam):
+            self.optimizer = build_optimizer(self.params, self.train_cfg)
+        self.optimizer.load_state_dict(state_dict)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether this replica's optimizer is Adam with its second moment frozen."""
+        return isinstance(self.optimizer, FrozenAdam)
+
+    def freeze_second_moment(self, floor: float) -> None:
+        """Turn the Adam optimizer into a FrozenAdam (``floor``: see :func:`dpgs.train.frozen_adam.freeze`);
+        nothing changes when it already is one."""
+        if not self.frozen:
+            self.optimizer = freeze(self.optimizer, floor)
+
+    def preconditioner(self) -> torch.Tensor:
+        """The frozen denominators ``d`` of the flat parameters (a gradient sum ``g`` goes up as ``g / d``),
+        as one float32 CPU vector (kept: they do not change while frozen)."""
+        if not self.frozen:
+            raise RuntimeError("this replica's second moment is not frozen")
+        if self._denominators is None or self._denominators[0] is not self.optimizer:
+            self._denominators = (self.optimizer, self.optimizer.denominators(self.params).float().cpu())
+        return self._denominators[1]
 
     def restart(self, model_state: dict, with_optimizer: bool) -> None:
         """A new fold: the fold's initial weights, a fresh optimizer (``with_optimizer``) or none,

@@ -30,6 +30,8 @@
   dense instead where the dense exchange costs at most ``auto_warmup_share`` times the compute: the early
   steps are where compression loses most of what a step learns (the tile encoder at 1 Gbit/s: dense reached
   the validation target in one epoch, the 25 % warm-up in three, at a dense exchange of 1.4x the compute).
+  With ``second_moment=frozen`` the W epochs always run dense, fixed ratio or auto: Adam's second moment
+  is frozen at the first compressed step, and it must have settled on dense gradients.
 
 The driver writes the ratio into each :class:`~dpgs.distributed.messages.StepPlan`; the uplink and
 downlink codecs take it as an argument.
@@ -301,16 +303,17 @@ class KeepSchedule:
         if self.steady < 1.0 and not self._saves(compute_seconds, seconds[self.steady], seconds[1.0]):
             self.steady = 1.0  # a compressed step learns less than a dense one: a small saving loses time
         self.warmup_dense = (self.steady < 1.0 and self.cfg.warmup_epochs > 0
-                             and seconds[1.0] <= self.cfg.auto_warmup_share * compute_seconds)
+                             and (self.cfg.second_moment == "frozen"
+                                  or seconds[1.0] <= self.cfg.auto_warmup_share * compute_seconds))
         return KeepDecision(self.steady, compute_seconds, seconds[1.0], seconds[self.steady],
                             self.warmup_dense)
 
     def ratio(self, epoch: int) -> float:
         """Keep ratio of the steps of ``epoch`` (1-based): the steady one, or its warm-up (dense stays dense,
         a compressed ratio follows the warm-up for the first ``warmup_epochs``, or runs them dense where
-        auto's last decision said so)."""
+        auto's last decision said so or the second moment is frozen after them)."""
         if self.steady >= 1.0 or not self.cfg.warmup_epochs:
             return self.steady
-        if self.warmup_dense and epoch <= self.cfg.warmup_epochs:
+        if (self.warmup_dense or self.cfg.second_moment == "frozen") and epoch <= self.cfg.warmup_epochs:
             return 1.0
         return KeepRatioSchedule.exponential(self.steady, epochs=self.cfg.warmup_epochs).ratio(epoch - 1)

@@ -17,6 +17,28 @@ def test_momentum_correction_needs_a_plain_sgd_master_and_names_the_keys(optimiz
     assert "momentum twice" in text
 
 
+@pytest.mark.parametrize("override,named", [
+    ("train.optimizer=sgd", "train.optimizer=sgd"),
+    ("dpgs.compression.downlink=delta", "dpgs.compression.downlink=delta"),
+    ("train.grad_clip=1.0", "train.grad_clip=1.0"),
+    ("dpgs.compression.warmup_epochs=0", "dpgs.compression.warmup_epochs=0"),
+])
+def test_a_frozen_second_moment_names_what_it_cannot_work_with(override, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["dpgs.compression.second_moment=frozen", override])
+    assert named in str(err.value) and "dense warm-up" in str(err.value)
+    accepted = load_config(None, ["dpgs.compression.second_moment=frozen"])
+    assert accepted.dpgs.compression.second_moment == "frozen"
+
+
+def test_a_frozen_second_moment_is_refused_for_a_trained_tile_encoder():
+    tiles = ["data.kind=tiles", "model.encoder=resnet18", "dpgs.compression.second_moment=frozen"]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, tiles)
+    assert "model.encoder=resnet18 trained end to end" in str(err.value)
+    assert load_config(None, [*tiles, "model.freeze_encoder=true"]).model.freeze_encoder
+
+
 def test_momentum_correction_with_plain_sgd_is_accepted():
     config = load_config(None, ["dpgs.compression.momentum_correction=0.9", "train.optimizer=sgd",
                                 "train.momentum=0"])

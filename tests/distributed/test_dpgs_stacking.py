@@ -29,6 +29,7 @@ pytestmark = pytest.mark.ray
 
 LENGTHS = [1, 1000, 37, 5, 260, 2, 731, 64, 9, 120, 3, 450, 17, 88, 600, 1, 42, 300, 7, 15]
 DENSE = ["dpgs.compression.keep_ratio=1.0"]
+FROZEN = ["dpgs.compression.second_moment=frozen", "dpgs.compression.warmup_epochs=1"]  # dense epoch 1
 # Adam's first step is lr * sign(g): see test 1's docstring; every step at train.lr, whatever its bag count
 EXACT = ["train.optimizer=sgd", "train.lr=0.5", "train.lr_scaling=none"]
 
@@ -113,17 +114,19 @@ def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers,
     assert all(torch.equal(r.params, master.params) and r.version == 1 for r in replicas)
 
 
-@pytest.mark.parametrize("downlink,clip,transport", [("gradients", None, "gloo"), ("gradients", 0.05, "gloo"),
-                                                     ("delta", None, "gloo"), ("gradients", None, "ray")])
+@pytest.mark.parametrize("downlink,clip,transport,extra", [
+    ("gradients", None, "gloo", []), ("gradients", 0.05, "gloo", []), ("delta", None, "gloo", []),
+    ("gradients", None, "ray", []), ("gradients", None, "gloo", FROZEN)], ids=str)
 def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bags, tmp_path, downlink, clip,
-                                                                transport):
+                                                                transport, extra):
     """Keep 10%, Adam, two epochs: with downlink=gradients every worker holds exactly the master's
-    parameters and optimizer state (same decode, sum, clip factor and step), over either transport; with
-    downlink=delta exactly what the master's broadcast says they hold."""
+    parameters and optimizer state (same decode, sum, clip factor and step), over either transport, also
+    with Adam's second moment frozen after a dense first epoch; with downlink=delta exactly what the
+    master's broadcast says they hold."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "train.lr=0.01",
                          "dpgs.compression.keep_ratio=0.1", "dpgs.compression.value_dtype=fp16",
                          f"dpgs.compression.downlink={downlink}", f"train.grad_clip={clip or 'null'}",
-                         f"dpgs.transport={transport}")
+                         f"dpgs.transport={transport}", *extra)
     data = experiment_data(config)
     batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     stacked, stats, replicas, master = dpgs_run(config, data, batches, epochs=2)
@@ -131,8 +134,9 @@ def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bag
         assert r.version == master.version == 6
         assert torch.equal(r.params, master.params)
         if downlink == "gradients":
+            keys = ("exp_avg", "denom") if extra else ("exp_avg", "exp_avg_sq")
             for a, b in zip(r.optimizer["state"].values(), master.optimizer["state"].values(), strict=True):
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in keys:
                     assert torch.equal(a[key], b[key])
     epoch = stats[1]
     assert epoch["compression_ratio"] > 5
@@ -369,10 +373,12 @@ class DriverKilled(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("compression", [DENSE, ["dpgs.compression.keep_ratio=0.05"]],
-                         ids=["dense", "keep5pct"])
+@pytest.mark.parametrize("compression", [DENSE, ["dpgs.compression.keep_ratio=0.05"],
+                                         ["dpgs.compression.keep_ratio=0.05", *FROZEN]],
+                         ids=["dense", "keep5pct", "keep5pct-frozen"])
 def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_path, compression):
-    """Checkpoints hold the workers' residuals, so a resumed compressed run equals the uninterrupted one."""
+    """Checkpoints hold the workers' residuals (and, frozen, the master's FrozenAdam), so a resumed
+    compressed run equals the uninterrupted one."""
     common = ["train.mode=dpgs", "dpgs.workers=2", "train.epochs=2", "train.batch_size=4",
               "dpgs.checkpoint_every=1", *compression]
     full = make_config(*bags, tmp_path / "full", *common)

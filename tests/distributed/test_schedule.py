@@ -105,6 +105,19 @@ def test_a_fixed_ratio_overrides_auto():
     assert [schedule.ratio(e) for e in (1, 2, 3)] == [0.25, 0.0625, 0.01]
 
 
+def test_a_frozen_second_moment_runs_the_warm_up_dense_fixed_or_auto():
+    """Adam's second moment is frozen at the first compressed step: the warm-up epochs before it run
+    dense, at a fixed ratio and where auto would have compressed them (100 Mbit/s: dense costs 6.8x the
+    compute, above auto_warmup_share)."""
+    fixed = KeepSchedule(CompressionConfig(keep_ratio=0.01, warmup_epochs=2, second_moment="frozen"))
+    assert [fixed.ratio(e) for e in (1, 2, 3)] == [1.0, 1.0, 0.01]
+    auto = KeepSchedule(CompressionConfig(keep_ratio="auto", warmup_epochs=2, second_moment="frozen"))
+    auto.costs.rehearsed({0.01: 0.1})
+    decision = auto.decide(link(100.0), 1.1, model())
+    assert decision.ratio == 0.01 and decision.warmup_dense
+    assert [auto.ratio(e) for e in (1, 2, 3)] == [1.0, 1.0, 0.01]
+
+
 def test_auto_times_its_codec_at_its_cheapest_choice_and_plans_as_a_fixed_ratio_before_deciding():
     """Before its first decision auto's epochs are planned as its cheapest choice's, a fixed ratio's (with
     the warm-up, 25 % in the first epoch); the workers time their codec at that choice. 0.1 % is not a

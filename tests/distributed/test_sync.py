@@ -15,6 +15,7 @@ from dpgs.distributed.frames import HEADER as FRAME_HEADER
 from dpgs.distributed.messages import StepPlan
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import build_sync
+from dpgs.train.frozen_adam import floored_root, freeze
 from dpgs.train.optim import build_optimizer, optimizer_step
 from tests.distributed.wire import Wire
 
@@ -57,7 +58,7 @@ def run(config, model, keeps: list[float], workers: int = 2):
             for plan in plans:
                 grad = gradients(plan.index, w, rep.numel)
                 part = rank_sync.contribute(plan, 2, grad, torch.full((rep.n_buffers,), float(w + plan.index),
-                                                                      dtype=torch.float64))
+                                                                      dtype=torch.float64), rep)
                 rank_sync.worker(wire.worker(w), plan, part, rep)
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
@@ -157,6 +158,65 @@ def test_a_shipped_copy_decodes_what_another_copy_encoded():
     a, b = pickle.loads(pickle.dumps(sync)), pickle.loads(pickle.dumps(sync))
     plan = StepPlan(0, 1, 0, (((0,),),), 0.01, 0.1)
     numel = sum(p.numel() for p in model.parameters())
-    part = a.contribute(plan, 1, torch.randn(numel), None)
+    replica = Replica(model, config.train)
+    replica.restart(model.state_dict(), with_optimizer=True)
+    part = a.contribute(plan, 1, torch.randn(numel), None, replica)
     total = b.uplink.sum_into(torch.zeros(numel), [part.body], [1], 0.1)
     assert torch.count_nonzero(total) == round(0.1 * numel)
+
+
+def test_a_frozen_second_moment_is_frozen_by_every_rank_at_the_first_compressed_step():
+    """second_moment=frozen: two dense Adam steps, then every rank turns the same Adam into the same
+    FrozenAdam (its denominators are the floored root of Adam's bias-corrected v after those two steps),
+    the workers send g / d, and every replica stays bit-identical to the master, dense step included."""
+    config, model = model_and_config("dpgs.compression.second_moment=frozen")
+    master, replicas, _ = run(config, model, [1.0, 1.0, 0.05, 0.01, 1.0])
+    reference = dense_reference(config, model, 2)
+    assert master.frozen and all(r.frozen for r in replicas)
+    # the reference's own Adam state after the same two dense steps gives the same denominators
+    ref_model = pickle.loads(pickle.dumps(model))
+    params = list(ref_model.parameters())
+    adam = build_optimizer(params, config.train)
+    numel = sum(p.numel() for p in params)
+    for step in range(2):
+        grad = (gradients(step, 0, numel) + gradients(step, 1, numel)) / 4
+        offset = 0
+        for p in params:
+            p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer_step(adam, params, 0.01, 1.0)
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params]), reference)
+    d = torch.cat([floored_root(adam.state[p]["exp_avg_sq"] / (1 - 0.999**2), 1.0).add_(1e-8).reshape(-1)
+                   for p in params])
+    assert torch.equal(master.preconditioner(), d)
+    for r in replicas:
+        assert torch.equal(r.flat_params(), master.flat_params()) and r.version == 5
+        for a, b in zip(r.optimizer.state.values(), master.optimizer.state.values(), strict=True):
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["denom"], b["denom"])
+    assert not torch.equal(master.flat_params(), dense_reference(config, model, 5))
+
+
+def test_after_the_freeze_the_workers_send_gradients_divided_by_the_frozen_root():
+    """A compressed step that keeps every entry (fp32 values) after two dense steps is exactly the
+    FrozenAdam step on the mean of g_w / d: the workers divide their sums by the master's frozen d."""
+    config, model = model_and_config("dpgs.compression.second_moment=frozen",
+                                     "dpgs.compression.value_dtype=fp32")
+    master, _, _ = run(config, model, [1.0, 1.0, 0.99999])
+    params = list(pickle.loads(pickle.dumps(model)).parameters())
+    adam = build_optimizer(params, config.train)
+    numel = sum(p.numel() for p in params)
+
+    def step(optimizer, grad):
+        offset = 0
+        for p in params:
+            p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer_step(optimizer, params, 0.01, 1.0)
+
+    for s in range(2):
+        step(adam, (gradients(s, 0, numel) + gradients(s, 1, numel)) / 4)
+    frozen = freeze(adam, 1.0)
+    d = frozen.denominators(params)
+    step(frozen, (gradients(2, 0, numel) / d + gradients(2, 1, numel) / d) / 4)
+    torch.testing.assert_close(master.flat_params(), torch.cat([p.detach().reshape(-1) for p in params]),
+                               rtol=1e-6, atol=1e-7)

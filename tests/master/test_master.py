@@ -59,7 +59,7 @@ def master_and_bodies(keep: float):
     bodies = []
     for w in range(2):
         grad = torch.randn(n, generator=torch.Generator().manual_seed(w))
-        bodies.append(build_sync(config, model).contribute(steps[0], 1, grad, None).body)
+        bodies.append(build_sync(config, model).contribute(steps[0], 1, grad, None, master.replica).body)
     return master, bodies, ChunkPlan(steps)
 
 

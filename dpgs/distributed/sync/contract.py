@@ -94,9 +94,11 @@ class StepSync(Protocol):
     exact_replicas: bool  # after each step every in-sync worker holds exactly the master's weights
 
     def contribute(
-        self, step: StepPlan, n_bags: int, grad: torch.Tensor | None, buffers: torch.Tensor | None
+        self, step: StepPlan, n_bags: int, grad: torch.Tensor | None, buffers: torch.Tensor | None,
+        replica: Replica,
     ) -> Contribution:
-        """Worker: the message up of its gradient sum ``grad`` over ``n_bags`` bags (None without bags)."""
+        """Worker: the message up of its gradient sum ``grad`` over ``n_bags`` bags (None without bags),
+        from ``replica`` at the step's version (whose optimizer may precondition it)."""
 
     def codec_seconds(self, grad: torch.Tensor, keep_ratio: float, workers: int) -> float:
         """Worker: seconds its codec would spend in one step at ``keep_ratio`` < 1 with ``workers`` workers

@@ -43,7 +43,7 @@ class DeltaSync:
         self.downlink = DeltaDownlink(compression)
 
     # ---------------------------------------------------------------- worker
-    def contribute(self, step, n_bags, grad, buffers) -> Contribution:
+    def contribute(self, step, n_bags, grad, buffers, replica) -> Contribution:
         gradient = self.uplink.encode(grad, step.keep_ratio) if n_bags else b""
         return contribution(step.index, n_bags, gradient, buffers)
 

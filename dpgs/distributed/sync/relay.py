@@ -11,6 +11,11 @@ order, divides by the step's bag count B and takes the same optimizer step
 (``dpgs.train.optim.optimizer_step``; the same thread count on every rank keeps it bit for bit), so the
 workers hold exactly the master's weights and optimizer state after every step, compressed or not.
 
+With ``second_moment=frozen`` every rank freezes its Adam's second moment at the first compressed step
+(:class:`dpgs.train.frozen_adam.FrozenAdam`); from then on the workers send ``g_w / d`` through the
+error-feedback codec (its residual is empty at the switch: every step before it was dense) and the same
+sum, divided by B, is the frozen optimizer's input.
+
 Without gradient clipping the frame goes before the master decodes the payloads (the workers decode
 meanwhile), and the dense sum is sent as soon as it is formed; with clipping the master first forms the
 mean gradient, whose norm sets the clip factor.
@@ -57,9 +62,20 @@ class RelaySync:
     def __init__(self, compression: CompressionConfig, train: TrainConfig, layout: ParamLayout):
         self.grad_clip = train.grad_clip
         self.uplink = Uplink(compression, layout)
+        self.freezes = compression.second_moment == "frozen"
+        self.floor = compression.second_moment_floor
+
+    def _freeze_at(self, step: StepPlan, replica: Replica) -> None:
+        """``second_moment=frozen``: every rank freezes its Adam at the first compressed step (the same step,
+        the same state: the same FrozenAdam)."""
+        if self.freezes and step.keep_ratio < 1.0:
+            replica.freeze_second_moment(self.floor)
 
     # ---------------------------------------------------------------- worker
-    def contribute(self, step, n_bags, grad, buffers) -> Contribution:
+    def contribute(self, step, n_bags, grad, buffers, replica) -> Contribution:
+        self._freeze_at(step, replica)  # the residual is empty then: every step before it was dense
+        if n_bags and replica.frozen:
+            grad = grad / replica.preconditioner()
         gradient = self.uplink.encode(grad, step.keep_ratio) if n_bags else b""
         return contribution(step.index, n_bags, gradient, buffers)
 
@@ -96,6 +112,7 @@ class RelaySync:
     # ---------------------------------------------------------------- master
     def master(self, channel: Channel, step: StepPlan, replica: Replica) -> MasterStep:
         start = time.perf_counter()
+        self._freeze_at(step, replica)
         tail = 8 * replica.n_buffers  # each message up ends with the worker's buffers
 
         def forward(sizes: list[int]) -> list[int] | None:
