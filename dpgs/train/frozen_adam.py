@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 
-STATE_KEYS = ("exp_avg", "denom")  # per parameter: the momentum (in units of g / d) and d
-
 
 class FrozenAdam(torch.optim.Optimizer):
     """The update above; ``p.grad`` holds the preconditioned mean gradient ``u`` (already divided by
