@@ -74,23 +74,38 @@ def run(config, model, keeps: list[float], workers: int = 2):
     return master, [r for r, _ in ranks], wire
 
 
-def dense_reference(config, model, steps: int, workers: int = 2) -> torch.Tensor:
-    """The same steps in one process: mean of the workers' gradients, one optimizer step each."""
-    reference = pickle.loads(pickle.dumps(model))
-    params = [p for p in reference.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, config.train)
-    numel = sum(p.numel() for p in params)
-    for step in range(steps):
-        total = torch.zeros(numel)
-        for w in range(workers):
-            total.add_(gradients(step, w, numel))
-        grad = total / (2 * workers)
+class Reference:
+    """The same model in one process, stepped on the mean gradients it is given."""
+
+    def __init__(self, config, model):
+        self.params = [p for p in pickle.loads(pickle.dumps(model)).parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, config.train)
+        self.numel = sum(p.numel() for p in self.params)
+
+    def step(self, grad: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
         offset = 0
-        for p in params:
+        for p in self.params:
             p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        optimizer_step(optimizer, params, 0.01, 1.0)
-    return torch.cat([p.detach().reshape(-1) for p in params])
+        optimizer_step(optimizer or self.optimizer, self.params, 0.01, 1.0)
+
+    def dense_steps(self, steps: int, workers: int = 2) -> None:
+        """Mean of the workers' gradients (2 bags each), one optimizer step each."""
+        for step in range(steps):
+            total = torch.zeros(self.numel)
+            for w in range(workers):
+                total.add_(gradients(step, w, self.numel))
+            self.step(total / (2 * workers))
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.params])
+
+
+def dense_reference(config, model, steps: int, workers: int = 2) -> torch.Tensor:
+    """The same steps in one process: mean of the workers' gradients, one optimizer step each."""
+    reference = Reference(config, model)
+    reference.dense_steps(steps, workers)
+    return reference.flat_params()
 
 
 @pytest.mark.parametrize("downlink", ["gradients", "delta"])
@@ -171,23 +186,12 @@ def test_a_frozen_second_moment_is_frozen_by_every_rank_at_the_first_compressed_
     the workers send g / d, and every replica stays bit-identical to the master, dense step included."""
     config, model = model_and_config("dpgs.compression.second_moment=frozen")
     master, replicas, _ = run(config, model, [1.0, 1.0, 0.05, 0.01, 1.0])
-    reference = dense_reference(config, model, 2)
     assert master.frozen and all(r.frozen for r in replicas)
     # the reference's own Adam state after the same two dense steps gives the same denominators
-    ref_model = pickle.loads(pickle.dumps(model))
-    params = list(ref_model.parameters())
-    adam = build_optimizer(params, config.train)
-    numel = sum(p.numel() for p in params)
-    for step in range(2):
-        grad = (gradients(step, 0, numel) + gradients(step, 1, numel)) / 4
-        offset = 0
-        for p in params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        optimizer_step(adam, params, 0.01, 1.0)
-    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params]), reference)
-    d = torch.cat([floored_root(adam.state[p]["exp_avg_sq"] / (1 - 0.999**2), 1.0).add_(1e-8).reshape(-1)
-                   for p in params])
+    reference = Reference(config, model)
+    reference.dense_steps(2)
+    d = torch.cat([floored_root(state["exp_avg_sq"] / (1 - 0.999**2), 1.0).add_(1e-8).reshape(-1)
+                   for state in (reference.optimizer.state[p] for p in reference.params)])
     assert torch.equal(master.preconditioner(), d)
     for r in replicas:
         assert torch.equal(r.flat_params(), master.flat_params()) and r.version == 5
@@ -202,21 +206,10 @@ def test_after_the_freeze_the_workers_send_gradients_divided_by_the_frozen_root(
     config, model = model_and_config("dpgs.compression.second_moment=frozen",
                                      "dpgs.compression.value_dtype=fp32")
     master, _, _ = run(config, model, [1.0, 1.0, 0.99999])
-    params = list(pickle.loads(pickle.dumps(model)).parameters())
-    adam = build_optimizer(params, config.train)
-    numel = sum(p.numel() for p in params)
-
-    def step(optimizer, grad):
-        offset = 0
-        for p in params:
-            p.grad = grad[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
-        optimizer_step(optimizer, params, 0.01, 1.0)
-
-    for s in range(2):
-        step(adam, (gradients(s, 0, numel) + gradients(s, 1, numel)) / 4)
-    frozen = freeze(adam, 1.0)
-    d = frozen.denominators(params)
-    step(frozen, (gradients(2, 0, numel) / d + gradients(2, 1, numel) / d) / 4)
-    torch.testing.assert_close(master.flat_params(), torch.cat([p.detach().reshape(-1) for p in params]),
-                               rtol=1e-6, atol=1e-7)
+    reference = Reference(config, model)
+    reference.dense_steps(2)
+    frozen = freeze(reference.optimizer, 1.0)
+    d = frozen.denominators(reference.params)
+    n = reference.numel
+    reference.step((gradients(2, 0, n) / d + gradients(2, 1, n) / d) / 4, frozen)
+    torch.testing.assert_close(master.flat_params(), reference.flat_params(), rtol=1e-6, atol=1e-7)
