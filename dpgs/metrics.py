@@ -17,6 +17,10 @@ bags of that class (so every resample keeps the class counts, and AUC stays defi
 computed on each resample, and the interval is the ``(1 - level) / 2`` and ``(1 + level) / 2``
 percentiles (``numpy.percentile``, linear interpolation) of the resampled values. Draws come from
 ``numpy.random.default_rng(seed)``, so an interval is reproducible.
+
+SciPy and scikit-learn are imported in the functions that use them: every DPGS actor imports this module
+(through ``dpgs.train.evaluate``, for scoring) and never computes a metric, and the two imports cost each
+actor process about 1 s of its start (2-core VM, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -26,8 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import rankdata
-from sklearn.metrics import cohen_kappa_score, confusion_matrix, f1_score
 
 METRIC_NAMES = ("acc", "bacc", "auc", "f1", "qwk")
 CI_METRICS = ("auc", "acc", "bacc")
@@ -51,6 +53,8 @@ def _binary_auc_rows(positive: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """[R]: Mann-Whitney AUC of ``scores`` for the boolean ``positive`` labels (NaN without both)."""
     n1 = positive.sum(axis=-1)
     n0 = positive.shape[-1] - n1
+    from scipy.stats import rankdata
+
     ranks = rankdata(scores, method="average", axis=-1)
     u = (ranks * positive).sum(axis=-1) - n1 * (n1 + 1) / 2.0
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -93,6 +97,8 @@ def auc_score(y, probs) -> float:
 
 def classification_metrics(y, probs) -> dict[str, float]:
     """Accuracy, balanced accuracy, AUC, macro F1 and QWK of argmax predictions."""
+    from sklearn.metrics import cohen_kappa_score, f1_score
+
     y, probs = _check(y, probs)
     if y.size == 0:
         return {name: math.nan for name in METRIC_NAMES}
@@ -113,6 +119,8 @@ def classification_metrics(y, probs) -> dict[str, float]:
 
 def confusion(y, probs) -> np.ndarray:
     """Confusion matrix [C, C]: rows are true classes, columns predicted classes."""
+    from sklearn.metrics import confusion_matrix
+
     probs = np.asarray(probs)
     return confusion_matrix(np.asarray(y), probs.argmax(axis=1), labels=np.arange(probs.shape[1]))
 

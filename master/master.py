@@ -113,7 +113,8 @@ class Master:
                 stepped = self.replica.version > step.index
                 more = position + 1 < len(plan.steps)
                 if not stepped or more:
-                    self.channel.abort(drain=stepped)
+                    drained = self.sync.bounds(plan.steps[position + 1], self.replica) if stepped else None
+                    self.channel.abort(drain=stepped, bound=drained.up if drained else None)
                 result.interrupted_at = self.replica.version if not stepped or more else None
                 result.reason = str(err)
                 return result

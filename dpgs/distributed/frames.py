@@ -78,6 +78,11 @@ def buffers_part(buffers: torch.Tensor | None) -> torch.Tensor:
     return as_part(None if buffers is None else buffers.to(torch.float32))
 
 
+def frame_bytes(part_sizes: list[int]) -> int:
+    """The size of a frame whose parts have ``part_sizes`` bytes (what :func:`encode_frame` returns)."""
+    return HEADER.size + 8 * len(part_sizes) + sum(part_sizes)
+
+
 def encode_frame(kind: int, version: int, clip: float, parts: list[torch.Tensor]) -> torch.Tensor:
     """The frame as one ``uint8`` tensor (``parts``: uint8 tensors, see :func:`as_part`)."""
     sizes = struct.pack(f"<{len(parts)}Q", *(p.numel() for p in parts))

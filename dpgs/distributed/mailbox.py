@@ -7,6 +7,8 @@ under ``(g, seq, src, dst)`` and removed once its readers took it (a message dow
 worker's own rank, once when every worker gets the same). A gather takes two numbers: the messages up, then
 what the master forwards of them to each worker (None when nothing), posted once every message is in.
 The driver aborts a generation when a rank dies, which wakes every waiting rank with ChannelBroken.
+A bounded exchange (``dpgs.distributed.transport``) is the same here: a post needs no receive waiting for
+it, so the bound only refuses longer messages.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from dpgs.distributed.transport import MASTER_RANK, ChannelBroken, Forward, worker_of
+from dpgs.distributed.transport import MASTER_RANK, ChannelBroken, Forward, check_bound, worker_of
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -96,7 +98,8 @@ class MailboxChannel:
         except (RayActorError, GetTimeoutError) as err:
             raise ChannelBroken(f"rank {self.rank}: the mailbox is unreachable: {err}") from err
 
-    def send_up(self, body: torch.Tensor) -> None:
+    def send_up(self, body: torch.Tensor, bound: int | None = None) -> None:
+        check_bound(body, bound)  # a posted object needs no receive: the bound changes nothing else
         self._settle()
         self._post(self._next(), MASTER_RANK, body, 1)
         self._relayed = self._next()
@@ -112,7 +115,11 @@ class MailboxChannel:
             raise RuntimeError(f"rank {self.rank}: the master forwarded other workers' messages; "
                                "recv_relayed must take them")
 
-    def gather_up(self, timed: bool = False, forward: Forward | None = None) -> list[torch.Tensor]:
+    def gather_up(
+        self, timed: bool = False, forward: Forward | None = None, bound: int | None = None
+    ) -> list[torch.Tensor]:
+        if bound is not None and (timed or forward is not None):
+            raise ValueError("a bounded gather is neither timed nor relayed")
         seq, relayed = self._next(), self._next()
         try:
             bodies = self._gather(seq, timed)
@@ -151,18 +158,22 @@ class MailboxChannel:
         except RayTaskError as err:
             raise ChannelBroken(f"rank {self.rank}: {err.cause if err.cause else err}") from err
 
-    def send_down(self, body: torch.Tensor) -> None:
+    def send_down(self, body: torch.Tensor, bound: int | None = None) -> None:
         """One post, which the mailbox holds once for every worker."""
+        check_bound(body, bound)
         self.mailbox.post_to_workers.remote((self.generation, self._next(), self.rank), body, self.world - 1)
 
-    def recv_down(self) -> torch.Tensor:
+    def recv_down(self, bound: int | None = None) -> torch.Tensor:
         self._settle()
         body = self._take(self._next(), MASTER_RANK, self.rank)
         if body is None:
             raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
+        if bound is not None and body.numel() > bound:
+            raise ChannelBroken(f"rank {self.rank}: the master sent a message of {body.numel()} bytes in an "
+                                f"exchange bounded to {bound}")
         return body
 
-    def abort(self, drain: bool) -> None:
+    def abort(self, drain: bool, bound: int | None = None) -> None:
         """Posts never block here, so nothing needs draining: the workers' next message down is the abort
         (None); the driver also aborts the whole generation when a rank dies. ``drain``: the workers first
         send up (seq + 1) and take what is forwarded of it (seq + 2, nothing), then receive (seq + 3)."""

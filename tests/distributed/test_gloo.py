@@ -1,7 +1,8 @@
 """The gloo transport (``dpgs.distributed.gloo``) between real processes on 127.0.0.1, without Ray: the
 step's messages arrive whole and in worker order, the heads the master forwards (several pieces each)
-reach every other worker, and the link probe's timed gather completes (a gloo receive completes only
-inside ``wait``)."""
+reach every other worker, the link probe's timed gather completes (a gloo receive completes only
+inside ``wait``), and bounded exchanges (one piece each, longer than a piece, an empty one among them)
+arrive whole, an abort included."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import socket
 import pytest
 import torch
 
-from dpgs.distributed.gloo import CHUNK, GlooChannel
+from dpgs.distributed.gloo import CHUNK, GlooChannel, whole_message
 from dpgs.distributed.link_probe import probe_as_master, probe_as_worker
 
 WORLD = 3
 SIZES = (1 << 10, 1 << 16)
+BOUND = 3 * CHUNK  # a bounded exchange's: more than a piece
 
 
 def free_port() -> int:
@@ -31,6 +33,8 @@ def big(rank: int) -> torch.Tensor:
 
 
 def rank_main(rank: int, port: int, results) -> None:
+    from dpgs.distributed.transport import ChannelBroken
+
     channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
     if rank == 0:
         bodies = channel.gather_up()
@@ -38,8 +42,12 @@ def rank_main(rank: int, port: int, results) -> None:
         relayed = channel.gather_up(forward=lambda sizes: [n - 3 for n in sizes])  # all but 3 bytes
         channel.send_down(torch.arange(2, dtype=torch.uint8))
         probe = probe_as_master(channel, SIZES)
+        bounded = channel.gather_up(bound=BOUND)
+        channel.send_down(big(3), bound=BOUND)
+        channel.abort(drain=True, bound=BOUND)  # after the workers' next bounded message up
         results.put(("master", ([b.tolist() for b in bodies], [torch.equal(b, big(r + 1))
-                                                                for r, b in enumerate(relayed)]), probe))
+                                                                for r, b in enumerate(relayed)],
+                                [b.numel() for b in bounded], torch.equal(bounded[0], big(1))), probe))
     else:
         channel.send_up(torch.full((rank * 3,), rank, dtype=torch.uint8))
         down = channel.recv_down()
@@ -49,7 +57,15 @@ def rank_main(rank: int, port: int, results) -> None:
         relayed_ok = [torch.equal(h, e) for h, e in zip(heads, expected, strict=True)]
         down2 = channel.recv_down()
         probe_as_worker(channel)
-        results.put((f"worker{rank}", (down.tolist(), relayed_ok, down2.tolist()), None))
+        channel.send_up(big(1) if rank == 1 else torch.empty(0, dtype=torch.uint8), bound=BOUND)
+        down3 = bool(torch.equal(channel.recv_down(bound=BOUND), big(3)))
+        channel.send_up(big(rank), bound=BOUND)
+        try:
+            channel.recv_down(bound=BOUND)
+            aborted = "no abort"
+        except ChannelBroken as err:
+            aborted = str(err)
+        results.put((f"worker{rank}", (down.tolist(), relayed_ok, down2.tolist(), down3, aborted), None))
 
 
 @pytest.mark.timeout(180)
@@ -62,13 +78,15 @@ def test_messages_and_a_link_probe_over_gloo_between_processes():
     got = dict((name, (a, b)) for name, a, b in (results.get(timeout=150) for _ in range(WORLD)))
     for p in procs:
         p.join(timeout=30)
-    (bodies, relayed_whole), probe = got["master"]
+    (bodies, relayed_whole, bounded_sizes, bounded_whole), probe = got["master"]
     assert bodies == [[1, 1, 1], [2, 2, 2, 2, 2, 2]]  # in worker order
     assert relayed_whole == [True, True]
+    assert bounded_sizes == [big(1).numel(), 0] and bounded_whole  # > 2 pieces' worth, in one piece
     for rank in (1, 2):
-        down, relayed_ok, down2 = got[f"worker{rank}"][0]
-        assert down == [0, 1, 2, 3, 4] and down2 == [0, 1]
+        down, relayed_ok, down2, down3, aborted = got[f"worker{rank}"][0]
+        assert down == [0, 1, 2, 3, 4] and down2 == [0, 1] and down3
         assert relayed_ok == [True]  # the other worker's head, byte for byte
+        assert "aborted" in aborted
     assert probe.sizes == SIZES and probe.workers == 2
     assert all(0 < t < 30 for round_trips in probe.seconds for t in round_trips)
 
@@ -276,3 +294,9 @@ def test_a_small_relayed_step_is_one_gloo_message_each_way_and_the_route():
         assert heads == [[other] * (1000 + other - 3)]
         assert down == list(range(40))
         assert (sends, recvs) == (1, 2)
+
+
+def test_a_message_longer_than_its_bound_is_refused_before_it_is_sent():
+    assert whole_message(torch.arange(5, dtype=torch.uint8), 5).numel() == 8 + 5
+    with pytest.raises(ValueError, match="a message of 6 bytes in an exchange bounded to 5 bytes"):
+        whole_message(torch.zeros(6, dtype=torch.uint8), 5)

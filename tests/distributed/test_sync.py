@@ -121,6 +121,9 @@ def test_dense_steps_equal_the_single_process_steps(downlink):
         assert torch.equal(r.flat_buffers(), master.flat_buffers())
     # merged buffers: the bag-weighted mean of the workers' (w + step): (0 + 1) / 2 + 2 at the last step
     assert torch.equal(master.flat_buffers(), torch.full((buffers,), 2.5, dtype=torch.float64))
+    # every message was bounded, and its bound is its size (every worker had bags): 2 up, 2 down a step
+    up, down = 4 * numel + 8 * buffers, FRAME_HEADER.size + 2 * 8 + 4 * numel + 4 * buffers  # 2 part sizes
+    assert sorted(wire.bounded) == sorted(6 * [("up", up, up)] + 6 * [("down", down, down)])
 
 
 def test_relayed_compressed_steps_keep_every_replica_identical_to_the_master():
@@ -131,6 +134,7 @@ def test_relayed_compressed_steps_keep_every_replica_identical_to_the_master():
         for a, b in zip(r.optimizer.state.values(), master.optimizer.state.values(), strict=True):
             assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     assert wire.bytes_up < 2 * 5 * 4 * master.numel  # compressed most of the time
+    assert [d for d, _, _ in wire.bounded] == ["up", "up", "down", "down"]  # only the dense step's messages
 
 
 def test_each_worker_is_relayed_only_the_other_workers_payloads():

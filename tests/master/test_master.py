@@ -1,6 +1,7 @@
 """The master's side of a step when the channel breaks, with a scripted channel (no Ray): a failure before
 the update leaves the step untaken; a failure while sending it leaves the step taken (live workers got
-it), and the master then takes the live workers' next message before aborting them. And its epoch files,
+it), and the master then takes the live workers' next message (bounded as the next step is) before aborting
+them. And its epoch files,
 written on a thread while the next steps run."""
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ class ScriptedChannel:
             self.fail_on = ""
             raise ChannelBroken(f"scripted failure in {op}")
 
-    def gather_up(self, timed: bool = False, forward=None):
+    def gather_up(self, timed: bool = False, forward=None, bound=None):
         self._maybe_fail("gather_up")
         return [b.clone() for b in self.bodies]
 
-    def send_down(self, body):
+    def send_down(self, body, bound=None):
         self._maybe_fail("send_down")
 
-    def abort(self, drain: bool):
+    def abort(self, drain: bool, bound=None):
         self.calls.append(f"abort(drain={drain})")
+        self.drain_bound = bound
 
 
 def master_and_bodies(keep: float):
@@ -83,6 +85,8 @@ def test_failure_while_sending_the_update_keeps_the_step_and_drains_the_next_mes
     assert master.version() == 1 and result.interrupted_at == 1
     assert not torch.equal(master.replica.flat_params(), before)
     assert master.channel.calls == ["gather_up", "send_down", "abort(drain=True)"]
+    # the drained messages are the next step's: a dense one's are bounded (raw float32, no buffers here)
+    assert master.channel.drain_bound == (4 * master.replica.numel if keep == 1.0 else None)
 
 
 def test_failure_while_sending_the_last_update_of_a_chunk_completes_it():

@@ -54,14 +54,14 @@ class OneMasterChannel:
         master.channel = self
 
     # master side
-    def gather_up(self, timed: bool = False, forward=None):
+    def gather_up(self, timed: bool = False, forward=None, bound=None):
         return [self.up[-1]]  # one worker: nothing to forward to another
 
-    def send_down(self, body):
+    def send_down(self, body, bound=None):
         self.down.append(body)
 
     # worker side
-    def send_up(self, body):
+    def send_up(self, body, bound=None):
         self.up.append(body.clone())
         if self.fail_next_up:
             self.fail_next_up = False
@@ -71,7 +71,7 @@ class OneMasterChannel:
     def recv_relayed(self):
         return []
 
-    def recv_down(self):
+    def recv_down(self, bound=None):
         if self.fail_next_down:
             self.fail_next_down = False
             raise ChannelBroken("scripted: the master's message did not arrive")
