@@ -30,6 +30,7 @@ from dpgs.distributed.rendezvous import Rendezvous, free_address
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import StepSync
 from dpgs.distributed.transport import MASTER_RANK, Channel, ChannelBroken
+from dpgs.heap import freeze_startup_heap
 from dpgs.outputs import save_torch_atomically
 from dpgs.records import MasterCheckpoint, save_checkpoint
 
@@ -65,6 +66,7 @@ class Master:
         self.timeout = config.dpgs.call_timeout_s
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpgs-epoch-files")
         self.writing: Future | None = None  # an epoch's files being written (:meth:`save_epoch`)
+        freeze_startup_heap()
 
     # ---------------------------------------------------------------- the group
     def address(self) -> tuple[str, int]:

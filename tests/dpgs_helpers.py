@@ -56,14 +56,15 @@ def experiment_data(config):
 
 
 @contextmanager
-def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None, eval_dataset=None):
+def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None, eval_dataset=None,
+                validation=None):
     """A DPGS engine for one fold on its own session (closed on exit)."""
     from dpgs.distributed.session import DpgsSession
     from dpgs.runner import dpgs_roles
 
     session = DpgsSession(config, dpgs_roles(config))
     setup = FoldSetup(config, spec, model, class_weights, dataset, list(train_indices), torch.device("cpu"),
-                      Path(config.train.output_dir), eval_dataset)
+                      Path(config.train.output_dir), eval_dataset, validation)
     try:
         yield session.engine(setup)
     finally:

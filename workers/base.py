@@ -44,6 +44,7 @@ from dpgs.distributed.roles import WorkerLaunch
 from dpgs.distributed.runtime import worker_resources
 from dpgs.distributed.sync import Contribution, StepSync
 from dpgs.distributed.transport import Channel, ChannelBroken, EmulatedLink, worker_rank
+from dpgs.heap import freeze_startup_heap
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.workers.reader import BagReader
 
@@ -103,6 +104,7 @@ class Worker(ABC):
         self.pending: Pending | None = None
         self.computed: Computed | None = None  # a step computed by :meth:`rehearse`, to encode when it runs
         self.eval_model: torch.nn.Module | None = None
+        freeze_startup_heap()
 
     @classmethod
     def launch(cls, config: Config) -> WorkerLaunch:
@@ -203,7 +205,8 @@ class Worker(ABC):
 
     # ---------------------------------------------------------------- steps
     def run_chunk(self, plan: ChunkPlan) -> ChunkResult:
-        """Run the chunk's steps; stop at the first exchange that cannot complete (see ChunkResult)."""
+        """Run the chunk's steps; stop at the first exchange that cannot complete (see ChunkResult). Once
+        every step completed, score this worker's shard of ``plan.score`` with the replica."""
         result = ChunkResult(self.rank)
         for position, step in enumerate(plan.steps):
             following = plan.steps[position + 1] if position + 1 < len(plan.steps) else plan.after
@@ -212,6 +215,8 @@ class Worker(ABC):
             except ChannelBroken as err:
                 result.interrupted_at, result.reason = step.index, str(err)
                 break
+        if plan.score is not None and result.interrupted_at is None:
+            result.scored = self.evaluate(None, list(plan.score.shards[self.worker]), plan.score.protocol)
         return result
 
     def _holds_version_of(self, step: StepPlan, asked: str) -> None:

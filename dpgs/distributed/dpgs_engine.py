@@ -6,6 +6,8 @@ it with the initial weights to every rank. Per epoch it plans every optimizer st
 micro-batches spread over the workers by length (LPT), the step's learning rate
 (``dpgs.train.optim.learning_rate``) and keep ratio (``dpgs.distributed.schedule``). Steps run in chunks
 that end at checkpoints (``dpgs.checkpoint_every``) and at the epoch's end; the driver blocks only there.
+Where the workers' replicas are exactly the master's model, the epoch's last chunk also has them score the
+fold's validation set (``FoldSetup.validation``) once its steps are done, in the same call.
 Per-step reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`).
 """
 
@@ -25,13 +27,13 @@ from dpgs.distributed.failures import MasterFailure, WorkerFailure
 from dpgs.distributed.flat import float_buffers
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkWatch, probe_sizes
-from dpgs.distributed.messages import ChunkPlan, StepPlan
+from dpgs.distributed.messages import ChunkPlan, ShardedScoring, StepPlan
 from dpgs.distributed.rank_group import ChunkReports, RankGroup
 from dpgs.distributed.schedule import ByteModel, KeepSchedule, step_compute_seconds
-from dpgs.distributed.sharded_eval import evaluate_on_workers
+from dpgs.distributed.sharded_eval import evaluate_on_workers, shards_by_length
 from dpgs.distributed.sync import build_sync
 from dpgs.records import CHECKPOINT_FILE, Checkpoint
-from dpgs.train.engine import EpochEnd, FoldSetup
+from dpgs.train.engine import EpochEnd, FoldSetup, Validation
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
 
@@ -122,6 +124,9 @@ class DpgsEngine:
         self.links = LinkWatch()  # the last probe of the links (keep_ratio=auto)
         sync = build_sync(setup.config, setup.model)
         self.replicas_exact = sync.exact_replicas
+        # scored by the workers with the epoch's last chunk (on exact replicas: their own weights)
+        self.validation = setup.validation if sync.exact_replicas else None
+        self.validated: Predictions | None = None  # the validation set scored with the current weights
         fold = FoldStart(setup.output_dir.name, setup.model.state_dict(), setup.class_weights, sync)
         group.start_fold(fold)
 
@@ -172,6 +177,7 @@ class DpgsEngine:
     def run_epoch(self, batches: list[list[int]], epoch: int, history: list[dict]) -> dict:
         """Run the epoch's steps (skipping those done before a resume); returns the epoch's metrics."""
         start = time.perf_counter()
+        self.validated = None
         plans = self.plan_epoch(batches, epoch)
         todo = plans[self.skip_steps :]
         reports = ChunkReports()
@@ -180,6 +186,8 @@ class DpgsEngine:
             todo, figures = self._choose_keep_ratio(todo, plans, epoch)
         for chunk in self._chunks(todo):
             self._run_chunk(chunk, plans, epoch, history, reports)
+        if self.validation is not None and len(reports.scored) == len(self.group.workers):
+            self.validated = Predictions.merge(list(reports.scored.values()), list(self.validation.indices))
         self.skip_steps = 0
         # the trainer's next asks (the checkpoint's residuals; weights for validation on inexact replicas)
         self.group.ask_state(weights=not self.replicas_exact)  # arrive during validation
@@ -194,8 +202,13 @@ class DpgsEngine:
                    reports: ChunkReports) -> None:
         """Run ``chunk`` (steps of ``plans``) on the group, adding its reports; checkpoint after it."""
         following = plans[chunk[-1].step_in_epoch + 1] if chunk[-1].step_in_epoch + 1 < len(plans) else None
+        score = None
+        if following is None and self.validation is not None:  # the epoch's last chunk
+            validation, workers = self.validation, len(self.group.workers)
+            shards = shards_by_length(list(validation.indices), self.eval_lengths, workers)
+            score = ShardedScoring(tuple(tuple(s) for s in shards), validation.protocol)
         try:
-            done = self.group.run(ChunkPlan(tuple(chunk), following))
+            done = self.group.run(ChunkPlan(tuple(chunk), following, score))
         except WorkerFailure as err:
             path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
@@ -205,6 +218,7 @@ class DpgsEngine:
             raise type(err)(f"{err}; {last}") from err  # a ClusterLost stays one
         reports.master += done.master
         reports.workers += done.workers
+        reports.scored.update(done.scored)
         self.global_step = chunk[-1].index + 1
         step_in_epoch = chunk[-1].step_in_epoch + 1
         if self.hooks.after_chunk is not None:
@@ -295,6 +309,7 @@ class DpgsEngine:
     def restore(self, checkpoint: Checkpoint) -> dict:
         """Continue from ``checkpoint``; returns its driver part (epoch, step in epoch, history)."""
         driver = checkpoint.driver
+        self.validated = None
         self.global_step = self.group.restore(checkpoint)
         self.skip_steps = int(driver["step_in_epoch"])
         self.restarts_before = self.group.restarts - int(driver.get("worker_restarts", 0))
@@ -304,7 +319,12 @@ class DpgsEngine:
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
         """Scored on the workers, shards balanced by the bags' instance counts (module docstring). Without
         ``state`` (the current weights), workers whose replicas are exactly the master's model (dense and
-        ``downlink=gradients``) score with their own; otherwise the master's weights are sent to them."""
+        ``downlink=gradients``) score with their own; otherwise the master's weights are sent to them. The
+        fold's validation set (``FoldSetup.validation``) with the current weights was already scored, on
+        exact replicas, by the workers at the end of the epoch's last chunk: those predictions."""
+        if (state is None and self.validated is not None
+                and Validation(tuple(indices), protocol) == self.validation):
+            return self.validated
         if state is None and not self.replicas_exact:
             state = self.group.model_state()
 

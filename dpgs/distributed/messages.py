@@ -8,8 +8,12 @@ taken: step ``index`` takes every replica from version ``index`` to ``index + 1`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
 @dataclass(frozen=True)
@@ -44,14 +48,26 @@ class StepPlan:
 @dataclass(frozen=True)
 class ChunkPlan:
     """Consecutive steps that the ranks run without the driver; ``after`` is the step that follows the
-    chunk in the same epoch (its bags are read ahead), or None."""
+    chunk in the same epoch (its bags are read ahead), or None; ``score``: bags the workers score once the
+    chunk's steps are done."""
 
     steps: tuple[StepPlan, ...]
     after: StepPlan | None = None
+    score: ShardedScoring | None = None
 
     def from_index(self, index: int) -> ChunkPlan:
         """The same chunk without the steps before ``index`` (after a failure)."""
-        return ChunkPlan(tuple(s for s in self.steps if s.index >= index), self.after)
+        return ChunkPlan(tuple(s for s in self.steps if s.index >= index), self.after, self.score)
+
+
+@dataclass(frozen=True)
+class ShardedScoring:
+    """Bags scored by the workers with the weights a chunk leaves, in the same call (the epoch's validation,
+    one round trip less per epoch): worker w scores ``shards[w]`` under ``protocol`` with its replica, which
+    must be exactly the master's model."""
+
+    shards: tuple[tuple[int, ...], ...]
+    protocol: EvalProtocol
 
 
 @dataclass(frozen=True)
@@ -127,3 +143,4 @@ class ChunkResult:
     steps: list = field(default_factory=list)  # WorkerStep (workers) or MasterStep (master)
     interrupted_at: int | None = None
     reason: str = ""
+    scored: Predictions | None = None  # a worker's shard of ``ChunkPlan.score``, once every step completed

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -52,6 +52,9 @@ from dpgs.errors import RunFailure
 from dpgs.records import Checkpoint
 from dpgs.runwatch import head_lost_message
 
+if TYPE_CHECKING:
+    from dpgs.train.evaluate import Predictions
+
 ERROR_GRACE_S = 5.0  # after a rank raised: how long the others may take to end by themselves
 
 
@@ -61,6 +64,7 @@ class ChunkReports:
 
     master: list[MasterStep] = field(default_factory=list)
     workers: list[WorkerStep] = field(default_factory=list)
+    scored: dict[int, Predictions] = field(default_factory=dict)  # worker -> its shard of ChunkPlan.score
 
 
 @dataclass
@@ -258,6 +262,8 @@ class RankGroup:
             results, dead, errors = self._run_once(plan)
             for rank, result in results.items():
                 (reports.master if rank == MASTER_RANK else reports.workers).extend(result.steps)
+                if result.scored is not None:  # with the chunk's last weights: every step completed
+                    reports.scored[rank - 1] = result.scored
             if MASTER_RANK in dead:  # the workers' own errors then are its loss (a gloo peer gone)
                 self._master_lost()
             if errors:

@@ -78,11 +78,12 @@ def _probe(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
-def connect(cfg: DpgsConfig) -> None:
-    """Start or join Ray (no-op when this process is already connected). ``ray.init`` installs its own
-    SIGTERM handler; dpgs keeps its own (``dpgs.interrupts``), so a signal still ends the run cleanly."""
+def connect(cfg: DpgsConfig) -> bool:
+    """Start or join Ray; False when this process was already connected (nothing done). ``ray.init``
+    installs its own SIGTERM handler; dpgs keeps its own (``dpgs.interrupts``), so a signal still ends the
+    run cleanly."""
     if ray.is_initialized():
-        return
+        return False
     if cfg.address:
         _probe(cfg.address)
         try:
@@ -93,7 +94,7 @@ def connect(cfg: DpgsConfig) -> None:
                 f"dpgs.address={cfg.address}: no Ray cluster found ({err}). Start one with "
                 "`ray start --head` or `ray up configs/cluster.yaml`, or unset dpgs.address to run locally."
             ) from None
-        return
+        return True
     store = int(cfg.object_store_gb * (1 << 30)) if cfg.object_store_gb else _default_object_store_bytes()
     print("[dpgs] starting a local Ray instance for this run (dpgs.address unset; --address auto joins a "
           "running cluster)", flush=True)
@@ -107,6 +108,7 @@ def connect(cfg: DpgsConfig) -> None:
         )
     # stopped by the run watcher if Ray itself ends this process (raylet or GCS death)
     WATCHER.watch_ray_session(Path(context.address_info["session_dir"]).name)
+    return True
 
 
 @dataclass

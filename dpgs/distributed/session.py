@@ -54,10 +54,11 @@ class DpgsSession:
         self.group: RankGroup | None = None
         self.launch: WorkerLaunch | None = None
         self.head_watched = False
+        self.connected = False  # this session started (or joined) Ray: it disconnects when it closes
 
     def _start(self, setup: FoldSetup) -> RankGroup:
         config = setup.config
-        connect(config.dpgs)
+        self.connected = connect(config.dpgs)
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.launch = self.roles.worker.launch(config)
         master = (  # starts while the workers start
@@ -89,11 +90,19 @@ class DpgsSession:
         return DpgsEngine(self.group, setup)
 
     def close(self) -> None:
+        """Release the group, then Ray where this session connected it: a local instance stops, a cluster
+        is left (at once: Ray's own exit hook would first wait 0.5 s for log lines). With the cluster's head
+        lost, Ray is left to the exit hook, as it was."""
+        lost = False
         if self.group is not None:
             self.group.close()
+            lost = self.group.watch.lost
             # reservations of workers that died without closing (none reachable once the cluster is lost)
-            if self.launch.reservation_prefix and not self.group.watch.lost:
+            if self.launch.reservation_prefix and not lost:
                 release_named(self.launch.reservation_prefix)
-            if self.head_watched and not self.group.watch.lost:  # watched until released: a release
-                WATCHER.head_closed()  # that blocks inside Ray (the head lost meanwhile) ends at 40 s
+            if self.head_watched and not lost:  # watched until released: a release that blocks inside Ray
+                WATCHER.head_closed()  # (the head lost meanwhile) ends at 40 s
             self.group = None
+        if self.connected and not lost:
+            ray.shutdown()
+        self.connected = False

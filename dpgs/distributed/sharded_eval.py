@@ -12,6 +12,12 @@ from dpgs.distributed.assignment import assign_lpt
 from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
+def shards_by_length(indices: list[int], lengths: list[int], workers: int) -> list[list[int]]:
+    """``indices`` split over ``workers`` shards balanced by ``lengths`` (instances per bag, LPT)."""
+    plan = assign_lpt([lengths[i] for i in indices], workers)
+    return [[indices[p] for p in positions] for positions in plan]
+
+
 def evaluate_on_workers(workers: PlacedActors, state: dict | None, indices: list[int], protocol: EvalProtocol,
                         lengths: list[int], fallback: Callable[[list[int]], Predictions]) -> Predictions:
     """Predictions of the bags ``indices`` with the weights ``state`` (None: each worker's replica, which
@@ -19,8 +25,7 @@ def evaluate_on_workers(workers: PlacedActors, state: dict | None, indices: list
     order of ``indices``. A shard whose worker fails is scored by ``fallback`` (on the driver; the group
     notices the failure at its next chunk)."""
     state_ref = None if state is None else ray.put(state)
-    plan = assign_lpt([lengths[i] for i in indices], len(workers))
-    shards = [[indices[p] for p in positions] for positions in plan]
+    shards = shards_by_length(indices, lengths, len(workers))
     refs = [w.evaluate.remote(state_ref, s, protocol) for w, s in zip(workers.handles, shards, strict=True)]
     scored = []
     for ref in refs:

@@ -20,6 +20,14 @@ from dpgs.config.schema import Config
 from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
+@dataclass(frozen=True)
+class Validation:
+    """The bags a fold is validated on after every epoch (``indices``), and how (``protocol``)."""
+
+    indices: tuple[int, ...]
+    protocol: EvalProtocol
+
+
 @dataclass
 class FoldSetup:
     """What an engine needs to train one fold: the model's recipe and initial weights, the training data."""
@@ -33,6 +41,7 @@ class FoldSetup:
     device: torch.device
     output_dir: Path
     eval_dataset: Any = None  # what validation and testing read (None: ``dataset``)
+    validation: Validation | None = None  # an engine may score it ahead (DPGS: with the epoch's last chunk)
 
     def __post_init__(self) -> None:
         if self.eval_dataset is None:

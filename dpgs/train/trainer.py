@@ -13,7 +13,6 @@ run, so ``dpgs heatmap --run DIR`` finds the run to log to). The best epoch maxi
 from __future__ import annotations
 
 import csv
-import gc
 import json
 import math
 import sys
@@ -27,6 +26,7 @@ import torch
 from dpgs.config import Config, ConfigError, config_to_dict, flatten, save_config
 from dpgs.data import BagDataset, ExperimentData, Split
 from dpgs.experiment import load_experiment_data
+from dpgs.heap import freeze_startup_heap
 from dpgs.interrupts import keep_signal_handlers
 from dpgs.metrics import METRIC_NAMES
 from dpgs.modeling import ModelSpec, initial_model, resolve_device
@@ -57,7 +57,7 @@ from dpgs.records import (
 )
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
-from dpgs.train.engine import Engine, EpochEnd, FoldSetup, Session
+from dpgs.train.engine import Engine, EpochEnd, FoldSetup, Session, Validation
 from dpgs.train.evaluate import EvalPlan, validation_protocol
 from dpgs.train.optim import class_weights_for
 from dpgs.train.resume_check import check_resume, check_resume_classes
@@ -86,20 +86,6 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % (2**32))
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def freeze_startup_heap() -> None:
-    """Move every object the process holds to the garbage collector's permanent generation, once per process.
-
-    When the first fold starts, the driver holds about half a million objects that live as long as the
-    command: the modules, Ray's, MLflow's and SQLAlchemy's state, the dataset's records. A full collection
-    traverses all of them: 0.23 s on the 2-core development machine, 0.27-0.30 s on the lab's head, where it
-    fell between epochs 3 and 4 of 5 of 6 ten-epoch feature-bag runs (a tenth of their time to target; found
-    with ``gc.callbacks``). Frozen, they are never traversed again: the collections during training see
-    only what training allocates. Objects are still freed when their last reference goes; what freezing
-    keeps is only garbage already in a reference cycle at that moment, and that is never collected."""
-    if gc.get_freeze_count() == 0:
-        gc.freeze()
 
 
 def is_improvement(value: float, best: float | None, mode: str) -> bool:
@@ -176,12 +162,12 @@ class FoldTrainer:
             }
         )
         write_run_file(self.out_dir, tracker.run_id, cfg.experiment, cfg.tracking.uri)
+        val_protocol = validation_protocol(cfg.eval, cfg.seed)
         setup = FoldSetup(cfg, spec, model, class_weights, self.dataset, train_idx, self.device, self.out_dir,
-                          self.eval_dataset)
+                          self.eval_dataset, Validation(tuple(val_idx), val_protocol) if val_idx else None)
         with keep_signal_handlers():  # an engine that starts Ray gets Ray's SIGTERM handler: keep ours
             engine: Engine = session.engine(setup)
         monitor, mode = cfg.train.early_stopping.monitor, cfg.train.early_stopping.mode
-        val_protocol = validation_protocol(cfg.eval, cfg.seed)
         history: list[dict] = []
         best_value, best_epoch, best_elapsed, stale = None, 0, 0.0, 0
         first_epoch, elapsed_before = 1, 0.0

@@ -1,5 +1,6 @@
 """Evaluation on the DPGS workers: bags sharded by length over P workers and merged on the driver give
-the driver's own predictions (feature bags and tile bags streamed from the slides; both protocols)."""
+the driver's own predictions (feature bags and tile bags streamed from the slides; both protocols), the
+validation set scored within the epoch's last chunk included."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from dpgs.experiment import load_experiment_data
 from dpgs.modeling import ModelSpec
+from dpgs.train.engine import Validation
 from dpgs.train.evaluate import ALL_INSTANCES, EvalProtocol, score_bags
 from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
 from tests.tile_helpers import tile_config, write_tiled_slides
@@ -48,6 +50,32 @@ def test_worker_evaluation_of_feature_bags_equals_the_driver(ray_cluster, tmp_pa
         reference.load_state_dict(other)
         driver = score_bags(reference, data.dataset, order, ALL_INSTANCES, torch.device("cpu"))
         assert_same_predictions(engine.evaluate(order, ALL_INSTANCES, other), driver)
+
+
+@pytest.mark.parametrize("sync", [[], ["dpgs.compression.keep_ratio=0.1", "dpgs.compression.downlink=delta"]],
+                         ids=["exact-replicas", "delta"])
+def test_the_validation_scored_with_the_last_chunk_equals_the_driver(ray_cluster, tmp_path, sync):
+    """On exact replicas the workers score the fold's validation set at the end of the epoch's last chunk
+    (no evaluation round of its own); with ``delta`` they cannot, and it is scored as before. Either way,
+    as the driver scores it with the master's weights."""
+    bags = write_bags(tmp_path / "bags", [3, 200, 17, 1, 90, 44, 6, 300, 12, 58, 2, 150, 33, 9, 71, 5, 20, 8])
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.checkpoint_every=1", *sync)  # three chunks an epoch: only the last scores
+    data = experiment_data(config)
+    spec = ModelSpec(config.model, data.dataset.feature_dim, 2)
+    torch.manual_seed(0)
+    validation = Validation((17, 3, 9, 12, 5), EvalProtocol.sampled(7, 3, seed=5))
+    with dpgs_engine(config, spec, spec.build(), data.dataset, data.splits[0].train,
+                     validation=validation) as engine:
+        for epoch in (1, 2):
+            engine.run_epoch([[0, 1, 2, 3], [4, 5, 6, 7], [8, 10]], epoch, [])
+            assert (engine.validated is not None) == (not sync)
+            scored = engine.evaluate(list(validation.indices), validation.protocol)
+            assert (scored is engine.validated) == (not sync)  # no evaluation round of its own
+            reference = spec.build()
+            reference.load_state_dict(engine.state_dict())
+            assert_same_predictions(scored, score_bags(reference, data.dataset, list(validation.indices),
+                                                       validation.protocol, torch.device("cpu")))
 
 
 def test_worker_evaluation_of_tile_bags_equals_the_driver(ray_cluster, tmp_path):
