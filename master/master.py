@@ -28,7 +28,7 @@ from dpgs.distributed.link_probe import LinkProbe, probe_as_master
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState
 from dpgs.distributed.rendezvous import Rendezvous, free_address
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync import StepSync
+from dpgs.distributed.sync import StepSync, step_bounds
 from dpgs.distributed.transport import MASTER_RANK, Channel, ChannelBroken
 from dpgs.heap import freeze_startup_heap
 from dpgs.outputs import save_torch_atomically
@@ -115,8 +115,8 @@ class Master:
                 stepped = self.replica.version > step.index
                 more = position + 1 < len(plan.steps)
                 if not stepped or more:
-                    drained = self.sync.bounds(plan.steps[position + 1], self.replica) if stepped else None
-                    self.channel.abort(drain=stepped, bound=drained.up if drained else None)
+                    drained = step_bounds(plan.steps[position + 1], self.replica).up if stepped else None
+                    self.channel.abort(drain=stepped, bound=drained)
                 result.interrupted_at = self.replica.version if not stepped or more else None
                 result.reason = str(err)
                 return result

@@ -89,7 +89,7 @@ def message_pieces(body: torch.Tensor) -> list[torch.Tensor]:
 def whole_message(body: torch.Tensor, bound: int) -> torch.Tensor:
     """A bounded message: its one piece (:func:`first_piece` of the whole ``body``)."""
     check_bound(body, bound)
-    return torch.cat([torch.tensor([body.numel()], dtype=torch.int64).view(torch.uint8), body])
+    return first_piece(body.numel(), body)
 
 
 def size_of(piece: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ import torch
 
 from dpgs.compression import ParamLayout
 from dpgs.config.schema import Config
-from dpgs.distributed.sync.contract import Contribution, Received, StepSync, contribution
+from dpgs.distributed.sync.contract import Contribution, Received, StepSync, contribution, step_bounds
 from dpgs.distributed.sync.delta import DeltaSync
 from dpgs.distributed.sync.relay import RelaySync
 
@@ -31,4 +31,4 @@ def build_sync(config: Config, model: torch.nn.Module) -> StepSync:
 
 
 __all__ = ["SCHEMES", "Contribution", "DeltaSync", "Received", "RelaySync", "StepSync", "build_sync",
-           "contribution"]
+           "contribution", "step_bounds"]

@@ -11,7 +11,7 @@ running statistics) are merged as the bag-weighted mean ``sum_w n_w s_w / B`` (s
 worker's message up ends with its ``n_w s_w`` as float64 (8 bytes per value). The keep ratio of a step is
 ``StepPlan.keep_ratio`` (``dpgs.distributed.schedule``): 1 sends raw float32, below 1 top-k payloads.
 
-A dense step's messages have sizes every rank knows before the step (:func:`dense_bounds`): its exchange
+A dense step's messages have sizes every rank knows before the step (:func:`step_bounds`): its exchange
 is bounded (``dpgs.distributed.transport``), so a transport posts each receive before the message is sent.
 """
 
@@ -83,18 +83,20 @@ def split_up(bodies: list[torch.Tensor], replica: Replica) -> tuple[list[torch.T
 
 @dataclass(frozen=True)
 class Bounds:
-    """The most bytes of a bounded step's messages: each worker's message up, and the master's down."""
+    """The most bytes of a step's messages, each worker's up and the master's down (the ``bound`` of every
+    ``Channel`` call of the step's exchange); None: unbounded."""
 
-    up: int
-    down: int
+    up: int | None
+    down: int | None
 
 
-def dense_bounds(step: StepPlan, replica: Replica) -> Bounds | None:
-    """A dense step's bounds: up, the raw float32 gradient (none from a worker without bags) and the float64
-    buffers; down, a frame of the float32 sum or weights and the float32 buffers. None below keep ratio 1
-    (a payload's size is known only once it is encoded)."""
+def step_bounds(step: StepPlan, replica: Replica) -> Bounds:
+    """The same in every scheme. A dense step's: up, the raw float32 gradient (none from a worker without
+    bags) and the float64 buffers; down, a frame of the float32 sum or weights and the float32 buffers. A
+    compressed step is unbounded (a payload's size is known only once it is encoded, and the relay streams
+    its pieces)."""
     if step.keep_ratio < 1.0:
-        return None
+        return Bounds(None, None)
     return Bounds(up=4 * replica.numel + 8 * replica.n_buffers,
                   down=frame_bytes([4 * replica.numel, 4 * replica.n_buffers]))
 
@@ -126,9 +128,6 @@ class StepSync(Protocol):
         """Worker: seconds its codec would spend in one step at ``keep_ratio`` < 1 with ``workers`` workers
         (encoding ``grad``, decoding and summing the step's payloads), this rank's codec state left as it
         was (``keep_ratio=auto``'s first decision)."""
-
-    def bounds(self, step: StepPlan, replica: Replica) -> Bounds | None:
-        """The bounds of ``step``'s messages when every rank knows them before the step (None: unbounded)."""
 
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         """Worker: send ``part``, receive the step's update, apply it to ``replica`` (version

@@ -26,14 +26,7 @@ from dpgs.distributed.frames import (
 )
 from dpgs.distributed.messages import MasterStep, StepPlan
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync.contract import (
-    Bounds,
-    Contribution,
-    Received,
-    contribution,
-    dense_bounds,
-    split_up,
-)
+from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up, step_bounds
 from dpgs.distributed.sync.relay import mean_and_clip
 from dpgs.distributed.transport import Channel
 
@@ -57,14 +50,11 @@ class DeltaSync:
     def codec_seconds(self, grad, keep_ratio, workers) -> float:
         return self.uplink.codec_seconds(grad, keep_ratio, decodes=workers)  # the master sums the P payloads
 
-    def bounds(self, step: StepPlan, replica: Replica) -> Bounds | None:
-        return dense_bounds(step, replica)  # a dense step sends the weights down
-
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         start = time.perf_counter()
-        bounds = self.bounds(step, replica)
-        channel.send_up(part.body, bounds.up if bounds else None)
-        data = channel.recv_down(bounds.down if bounds else None)
+        bounds = step_bounds(step, replica)
+        channel.send_up(part.body, bounds.up)
+        data = channel.recv_down(bounds.down)
         received = time.perf_counter()
         frame = decode_frame(data, parts_of={KIND_DELTA: 2, KIND_WEIGHTS: 2}, version=step.index + 1)
         if frame.kind == KIND_WEIGHTS:
@@ -80,8 +70,8 @@ class DeltaSync:
     # ---------------------------------------------------------------- master
     def master(self, channel: Channel, step: StepPlan, replica: Replica) -> MasterStep:
         start = time.perf_counter()
-        bounds = self.bounds(step, replica)
-        grads, buffers = split_up(channel.gather_up(bound=bounds.up if bounds else None), replica)
+        bounds = step_bounds(step, replica)
+        grads, buffers = split_up(channel.gather_up(bound=bounds.up), replica)
         waited = time.perf_counter()
         total = self.uplink.sum_into(torch.zeros(replica.numel), grads, step.counts(), step.keep_ratio)
         grad, norm, clip = mean_and_clip(total, step.n_bags, self.grad_clip)
@@ -98,7 +88,7 @@ class DeltaSync:
             delta = self.downlink.update(params, step.keep_ratio)
             frame = encode_frame(KIND_DELTA, step.index + 1, 1.0, [as_part(delta), buffers_part(merged)])
         replica.version = step.index + 1  # taken, even if sending fails: live workers may have it
-        channel.send_down(frame, bounds.down if bounds else None)
+        channel.send_down(frame, bounds.down)
         done = time.perf_counter()
         return MasterStep(
             index=step.index,

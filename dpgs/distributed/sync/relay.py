@@ -40,14 +40,7 @@ from dpgs.distributed.frames import (
 )
 from dpgs.distributed.messages import MasterStep, StepPlan
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync.contract import (
-    Bounds,
-    Contribution,
-    Received,
-    contribution,
-    dense_bounds,
-    split_up,
-)
+from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up, step_bounds
 from dpgs.distributed.transport import Channel, ChannelBroken, worker_of
 from dpgs.train.optim import clip_coefficient
 
@@ -89,20 +82,17 @@ class RelaySync:
     def codec_seconds(self, grad, keep_ratio, workers) -> float:
         return self.uplink.codec_seconds(grad, keep_ratio, decodes=workers)  # each worker sums P payloads
 
-    def bounds(self, step: StepPlan, replica: Replica) -> Bounds | None:
-        return dense_bounds(step, replica)  # a dense step is never relayed
-
     def worker(self, channel: Channel, step: StepPlan, part: Contribution, replica: Replica) -> Received:
         start = time.perf_counter()
-        bounds = self.bounds(step, replica)
-        channel.send_up(part.body, bounds.up if bounds else None)
+        bounds = step_bounds(step, replica)
+        channel.send_up(part.body, bounds.up)
         me = worker_of(channel.rank)  # its own payload is not relayed to it: it kept it
         own = part.body[: part.payload_bytes]
         # decoded while the other workers' payloads are still arriving (summed in worker order all the same)
         decoded = ({me: self.uplink.decode_part(me, own, part.n_bags, step.keep_ratio)}
                    if step.keep_ratio < 1.0 else {})
         relayed = channel.recv_relayed()
-        data = channel.recv_down(bounds.down if bounds else None)
+        data = channel.recv_down(bounds.down)
         received = time.perf_counter()
         frame = decode_frame(data, parts_of={KIND_GRADIENTS: 1, KIND_SUM: 2}, version=step.index + 1)
         if frame.kind == KIND_SUM:
@@ -132,8 +122,8 @@ class RelaySync:
             small = sum(payloads) - min(payloads) < 4 * replica.numel
             return payloads if step.keep_ratio < 1.0 and min(payloads) >= 0 and small else None
 
-        bounds = self.bounds(step, replica)
-        bodies = (channel.gather_up(forward=forward) if bounds is None
+        bounds = step_bounds(step, replica)
+        bodies = (channel.gather_up(forward=forward) if bounds.up is None  # a dense step is never relayed
                   else channel.gather_up(bound=bounds.up))
         relay = forward([b.numel() for b in bodies]) is not None
         grads, buffers = split_up(bodies, replica)
@@ -149,7 +139,7 @@ class RelaySync:
             begun = time.perf_counter()
             frame = encode_frame(kind, step.index + 1, clip, [*parts, buffers_part(merged)])
             try:
-                channel.send_down(frame, bounds.down if bounds else None)
+                channel.send_down(frame, bounds.down)
             except ChannelBroken as err:
                 broken.append(err)
             sending += time.perf_counter() - begun
