@@ -15,14 +15,19 @@ payloads of a feature-bag model these, not the payloads, were most of a step's t
 * worker -> master: its message (``_BODY_TAG``);
 * master -> worker, as soon as every first piece is in: the route (``_ROUTE_TAG``), ``world - 1`` int64 (how
   many leading bytes of each worker's message the master forwards to this one: 0 for its own, or
-  ``NO_RELAY`` in every entry), followed by the part of each forwarded head that came in its origin's first
-  piece (origins in worker order);
+  ``NO_RELAY`` in every entry) and one int64 ``merged``, followed by the part of each forwarded head that
+  came in its origin's first piece (origins in worker order). When every message came whole in its first
+  piece, nothing is left to forward piece by piece: the route waits for the message down and carries its
+  first piece at its end (``merged`` = 1), so a small step is one gloo message each way instead of a route
+  and a message down (each gloo message costs two notifications, a header and their TCP segments: on a
+  feature-bag model's keep-1 % step, about a third of the bytes beside the payloads);
 * master -> worker, while the messages arrive: the rest of each forwarded head, each piece sent as soon as
   the same piece of its message arrived (``_RELAY_TAG + origin``): cut-through, so the master's link
   carries a relayed step's bytes up and down at the same time instead of one after the other. When an
   origin's message breaks off, the rest of its pieces go out as zeros, so that every receiver's posted
   receives complete and it reaches the abort that follows;
-* master -> worker: its message (``_BODY_TAG``), or a first piece whose size is ``ABORT_SIZE``.
+* master -> worker: its message (``_BODY_TAG``; its first piece in the route when ``merged``), or a first
+  piece whose size is ``ABORT_SIZE``.
 
 A worker's :meth:`GlooChannel.send_up` takes its route; :meth:`GlooChannel.recv_relayed` the heads.
 
@@ -86,6 +91,13 @@ def message_pieces(body: torch.Tensor) -> list[torch.Tensor]:
     return [first_piece(body.numel(), body[: spans[0][1]])] + [body[lo:hi] for lo, hi in spans[1:]]
 
 
+def route_capacity(world: int) -> int:
+    """The most bytes of a route: the header (``world - 1`` counts and ``merged``), a first piece of every
+    other worker's head, and a first piece of the message down."""
+    others = world - 2
+    return PREFIX * (others + 2) + others * FIRST + CHUNK
+
+
 def whole_message(body: torch.Tensor, bound: int) -> torch.Tensor:
     """A bounded message: its one piece (:func:`first_piece` of the whole ``body``)."""
     check_bound(body, bound)
@@ -93,8 +105,8 @@ def whole_message(body: torch.Tensor, bound: int) -> torch.Tensor:
 
 
 def size_of(piece: torch.Tensor) -> int:
-    """The message size that a received first piece starts with."""
-    return int(piece[:PREFIX].view(torch.int64))
+    """The message size that a received first piece starts with (anywhere in a route: copied to align)."""
+    return int(piece[:PREFIX].clone().view(torch.int64))
 
 
 def local_address(peer: str) -> str:
@@ -137,6 +149,8 @@ class GlooChannel:
         self.dead: set[int] = set()  # ranks whose connection failed (the master sends them nothing more)
         self.arrivals: list[float] = []  # when each worker's message of the last gather arrived
         self._relayed: tuple | None = None  # worker: (heads, their receives) forwarded, not yet taken
+        self._down_first: torch.Tensor | None = None  # worker: the message down's first piece, from a route
+        self._merged: dict[int, torch.Tensor] | None = None  # master: routes waiting for the message down
 
     def _post(self, send: bool, tensor: torch.Tensor, peer: int, tag: int):
         """Post a send or a receive; a connection already broken raises ChannelBroken at once (gloo raises
@@ -177,7 +191,8 @@ class GlooChannel:
     # ---------------------------------------------------------------- worker
     def send_up(self, body: torch.Tensor, bound: int | None = None) -> None:
         """Send ``body`` to the master; bounded, in one piece. Unbounded, the route comes back as soon as
-        every worker's first piece is in (the master takes no later piece before that), and the receives of
+        every worker's first piece is in (the master takes no later piece before that), or with the message
+        down when every message came whole in its first piece (``merged``), and the receives of
         what it forwards are posted before the rest of ``body``: their notifications then go up ahead of it,
         not behind megabytes of it in the same TCP stream (behind a 5.7 MB upload at 100 Mbit/s they waited
         0.46 s, and the master could not forward to this worker until they arrived).
@@ -189,12 +204,13 @@ class GlooChannel:
             return
         parts = message_pieces(body)
         sends = [self._post(True, parts[0], MASTER_RANK, _BODY_TAG)]
-        others = self.world - 2
-        route = torch.empty(PREFIX * (others + 1) + others * FIRST, dtype=torch.uint8)
+        header = PREFIX * self.world  # world - 1 counts, then merged
+        route = torch.empty(route_capacity(self.world), dtype=torch.uint8)
         self._wait(self._post(False, route, MASTER_RANK, _ROUTE_TAG), MASTER_RANK, "receiving the route")
-        counts = route[: PREFIX * (others + 1)].view(torch.int64).tolist()
+        *counts, merged = route[:header].view(torch.int64).tolist()
+        offset = header
         if counts[0] != NO_RELAY:
-            offset, heads, works = PREFIX * (others + 1), [], []
+            heads, works = [], []
             for w in (w for w in range(self.world - 1) if w != worker_of(self.rank)):
                 start = route[offset : offset + min(counts[w], FIRST)]
                 head, posted = self._post_rest(start, counts[w], MASTER_RANK, _RELAY_TAG + w)
@@ -202,6 +218,8 @@ class GlooChannel:
                 heads.append(head)
                 works += posted
             self._relayed = (heads, works)
+        if merged:
+            self._down_first = route[offset : offset + CHUNK]
         sends += [self._post(True, part, MASTER_RANK, _BODY_TAG) for part in parts[1:]]
         for work in sends:
             self._wait(work, MASTER_RANK, "sending up")
@@ -215,15 +233,24 @@ class GlooChannel:
         return heads
 
     def _settle(self) -> None:
-        """A route that forwarded heads nobody took is a protocol error."""
+        """A route that forwarded heads, or carried the message down, that nobody took is a protocol
+        error."""
         if self._relayed is not None:
             raise RuntimeError(f"rank {self.rank}: the master forwarded other workers' messages; "
                                "recv_relayed must take them")
+        if self._down_first is not None:
+            raise RuntimeError(f"rank {self.rank}: the route carried the message down; recv_down must take it")
 
     def recv_down(self, bound: int | None = None) -> torch.Tensor:
+        """The first piece came with the route when the route was ``merged`` (never in a bounded exchange,
+        which has no route)."""
+        first, self._down_first = self._down_first, None
         self._settle()
-        first = torch.empty(CHUNK if bound is None else PREFIX + bound, dtype=torch.uint8)
-        self._wait(self._post(False, first, MASTER_RANK, _BODY_TAG), MASTER_RANK, "receiving a message")
+        if first is not None and bound is not None:
+            raise RuntimeError(f"rank {self.rank}: a bounded receive after a route that carried the message")
+        if first is None:
+            first = torch.empty(CHUNK if bound is None else PREFIX + bound, dtype=torch.uint8)
+            self._wait(self._post(False, first, MASTER_RANK, _BODY_TAG), MASTER_RANK, "receiving a message")
         size = size_of(first)
         if size == ABORT_SIZE:
             raise ChannelBroken(f"rank {self.rank}: the master aborted the exchange")
@@ -270,11 +297,16 @@ class GlooChannel:
                        if f is not None]
             sizes = {r: size_of(firsts[r]) for r in posted if r not in self.dead}
             counts = None
-            if forward is not None and not failed and len(sizes) == self.world - 1:
+            complete = not failed and len(sizes) == self.world - 1  # every first piece is in
+            if forward is not None and complete:
                 counts = forward([sizes[r] for r in workers])
             live = [r for r in workers if r not in self.dead]
-            sends = self._post_each([(True, self._route_for(r, counts, firsts), r, _ROUTE_TAG) for r in live],
-                                    failed)
+            merge = complete and max(sizes.values()) <= FIRST  # nothing to forward piece by piece
+            routes = {r: self._route_for(r, counts, firsts, merge) for r in live}
+            if merge:
+                self._merged, sends = routes, []
+            else:
+                sends = self._post_each([(True, route, r, _ROUTE_TAG) for r, route in routes.items()], failed)
             taken = list(pool.map(lambda r: self._take_rest(r, firsts[r], sizes[r], counts, sends, failed),
                                   live))
         failed += [failure for _, failure in taken if failure is not None]
@@ -313,16 +345,19 @@ class GlooChannel:
         self.arrivals[worker_of(rank)] = time.perf_counter()
         return None
 
-    def _route_for(self, rank: int, counts: list[int] | None,
-                   firsts: dict[int, torch.Tensor]) -> torch.Tensor:
-        """``rank``'s route, followed by the part of each head forwarded to it that its first piece held."""
+    def _route_for(self, rank: int, counts: list[int] | None, firsts: dict[int, torch.Tensor],
+                   merged: bool) -> torch.Tensor:
+        """``rank``'s route, followed by the part of each head forwarded to it that its first piece held
+        (``merged``: the first piece of the message down goes at its end, :meth:`send_down`)."""
         if counts is None:
-            return torch.full((self.world - 1,), NO_RELAY, dtype=torch.int64).view(torch.uint8)
+            header = torch.tensor([NO_RELAY] * (self.world - 1) + [int(merged)], dtype=torch.int64)
+            return header.view(torch.uint8)
         own = worker_of(rank)
-        route = torch.tensor([0 if w == own else n for w, n in enumerate(counts)], dtype=torch.int64)
+        header = torch.tensor([0 if w == own else n for w, n in enumerate(counts)] + [int(merged)],
+                              dtype=torch.int64)
         heads = [firsts[r][PREFIX : PREFIX + min(counts[worker_of(r)], FIRST)]
                  for r in range(1, self.world) if r != rank]
-        return torch.cat([route.view(torch.uint8), *heads])
+        return torch.cat([header.view(torch.uint8), *heads])
 
     def _take_rest(self, rank: int, first: torch.Tensor, size: int, counts: list[int] | None,
                    sends: list[tuple[int, Any]], failed: list[str]) -> tuple[torch.Tensor, str | None]:
@@ -352,25 +387,36 @@ class GlooChannel:
             self.arrivals[worker_of(rank)] = time.perf_counter()
         return body, failure
 
+    def _down_posts(self, parts: list[torch.Tensor]) -> list[tuple[bool, torch.Tensor, int, int]]:
+        """The sends of a message down in ``parts`` (its pieces) to every worker: its first piece at the end
+        of the route that waits for it, if the last gather left them merged."""
+        merged, self._merged = self._merged, None
+        if merged is None:
+            return [(True, part, r, _BODY_TAG) for r in range(1, self.world) for part in parts]
+        return [(True, torch.cat([route, parts[0]]), r, _ROUTE_TAG) for r, route in merged.items()] + [
+            (True, part, r, _BODY_TAG) for r in merged for part in parts[1:]]
+
     def send_down(self, body: torch.Tensor, bound: int | None = None) -> None:
         """Every live worker gets ``body`` even when another worker's connection failed."""
+        if bound is not None and self._merged is not None:
+            raise RuntimeError("a bounded message down after an unbounded gather")
         parts = message_pieces(body) if bound is None else [whole_message(body, bound)]
         failed: list[str] = []
-        sends = self._post_each([(True, part, r, _BODY_TAG) for r in range(1, self.world) for part in parts],
-                                failed)
+        sends = self._post_each(self._down_posts(parts), failed)
         failed += self._wait_all(sends, "sending down")
         if failed or self.dead:
             raise ChannelBroken("; ".join(failed) or f"ranks {sorted(self.dead)} are gone")
 
     def abort(self, drain: bool, bound: int | None = None) -> None:
-        if drain:
+        """Workers whose route waits for the message down (they have not received the last one: no drain)
+        get the abort at its end."""
+        if drain and self._merged is None:
             try:
                 self.gather_up(bound=bound)
             except ChannelBroken:
                 pass  # the failed ones are now marked dead
         piece = first_piece(ABORT_SIZE, torch.empty(0, dtype=torch.uint8))
-        self._wait_all(self._post_each([(True, piece, r, _BODY_TAG) for r in range(1, self.world)], []),
-                       "sending an abort")
+        self._wait_all(self._post_each(self._down_posts([piece]), []), "sending an abort")
 
     def close(self) -> None:
         self._group = None

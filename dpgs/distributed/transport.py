@@ -77,7 +77,9 @@ class Channel(Protocol):
     def recv_relayed(self) -> list[torch.Tensor]:
         """Worker: the heads of the other workers' messages that the master forwarded in the gather of this
         worker's last message up (worker order, without its own; empty when it forwarded none). Optional:
-        the next :meth:`recv_down` or :meth:`send_up` settles an exchange that forwarded nothing."""
+        the next :meth:`recv_down` or :meth:`send_up` settles an exchange that forwarded nothing. A
+        transport may deliver the heads with the message down (gloo does when every message came whole in
+        one piece), so a worker must not wait for them before it is ready to wait for that."""
 
     def gather_up(
         self, timed: bool = False, forward: Forward | None = None, bound: int | None = None

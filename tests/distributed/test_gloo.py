@@ -233,6 +233,7 @@ def test_a_connection_broken_before_a_post_is_a_channel_fault_not_a_crash():
     channel = object.__new__(GlooChannel)
     channel.rank, channel.world, channel.timeout = 0, 3, None
     channel.dead, channel.arrivals, channel._relayed, channel._group = set(), [], None, Group()
+    channel._down_first = channel._merged = None
     with pytest.raises(ChannelBroken, match="posting to rank 2 failed"):
         channel.gather_up(forward=lambda sizes: sizes)
     assert channel.dead == {2}
@@ -258,27 +259,50 @@ class CountingGroup:
 
 
 def small_step_main(rank: int, port: int, results) -> None:
-    """One relayed step of small messages (as a feature-bag model's keep-1 % payloads), counted."""
+    """A relayed step of small messages (as a feature-bag model's keep-1 % payloads), counted; then a
+    small step whose message down is longer than a piece; then a small step the master aborts."""
+    from dpgs.distributed.transport import ChannelBroken
+
     channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
     channel._group = counting = CountingGroup(channel._group)
     if rank == 0:
         bodies = channel.gather_up(forward=lambda sizes: [n - 3 for n in sizes])
         channel.send_down(torch.arange(40, dtype=torch.uint8))
-        results.put(("master", ([b.tolist() for b in bodies], counting.sends, counting.recvs)))
+        counted = counting.sends, counting.recvs
+        channel.gather_up(forward=lambda sizes: sizes)
+        channel.send_down(big(3))
+        channel.gather_up()
+        channel.abort(drain=False)
+        results.put(("master", ([b.tolist() for b in bodies], *counted)))
     else:
         channel.send_up(torch.full((1000 + rank,), rank, dtype=torch.uint8))
         heads = [h.tolist() for h in channel.recv_relayed()]
         down = channel.recv_down().tolist()
-        results.put((f"worker{rank}", (heads, down, counting.sends, counting.recvs)))
+        counted = counting.sends, counting.recvs
+        channel.send_up(torch.full((10,), rank, dtype=torch.uint8))
+        heads2 = [h.tolist() for h in channel.recv_relayed()]
+        long_down = bool(torch.equal(channel.recv_down(), big(3)))
+        channel.send_up(torch.full((10,), rank, dtype=torch.uint8))
+        try:
+            channel.recv_down()
+            aborted = "no abort"
+        except ChannelBroken as err:
+            aborted = str(err)
+        results.put((f"worker{rank}", (heads, down, *counted, heads2, long_down, aborted)))
 
 
 @pytest.mark.timeout(180)
-def test_a_small_relayed_step_is_one_gloo_message_each_way_and_the_route():
-    """A message that fits one piece is one gloo message (its size rides in its first piece), and the
-    forwarded heads of small messages ride with the route: a worker posts one send and two receives a step
-    (it was two sends and four receives: a size and a body each way, the route, the forwarded head)."""
+def test_a_small_relayed_step_is_one_gloo_message_each_way():
+    """A message that fits one piece is one gloo message (its size rides in its first piece); when every
+    message up came whole in its first piece, the forwarded heads and the message down ride in the route:
+    a worker posts one send and one receive a step (it was two sends and four receives: a size and a body
+    each way, the route, the forwarded head; then one send and two receives). A message down longer than a
+    piece sends its later pieces after such a route, and an abort reaches workers whose route waits."""
+    import time
+
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
+    started = time.monotonic()
     procs = [ctx.Process(target=small_step_main, args=(r, port, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -287,13 +311,17 @@ def test_a_small_relayed_step_is_one_gloo_message_each_way_and_the_route():
         p.join(timeout=30)
     bodies, master_sends, master_recvs = got["master"]
     assert bodies == [[1] * 1001, [2] * 1002]
-    assert (master_sends, master_recvs) == (2 * 2, 2)  # a route and a message down to each; one up from each
+    assert (master_sends, master_recvs) == (2, 2)  # one message down to each; one up from each
     for rank in (1, 2):
-        heads, down, sends, recvs = got[f"worker{rank}"]
+        heads, down, sends, recvs, heads2, long_down, aborted = got[f"worker{rank}"]
         other = 3 - rank
         assert heads == [[other] * (1000 + other - 3)]
         assert down == list(range(40))
-        assert (sends, recvs) == (1, 2)
+        assert (sends, recvs) == (1, 1)
+        assert heads2 == [[other] * 10]
+        assert long_down
+        assert "aborted the exchange" in aborted
+    assert time.monotonic() - started < 60  # not the 60 s exchange deadline
 
 
 def test_a_message_longer_than_its_bound_is_refused_before_it_is_sent():
