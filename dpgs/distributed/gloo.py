@@ -239,7 +239,8 @@ class GlooChannel:
             raise RuntimeError(f"rank {self.rank}: the master forwarded other workers' messages; "
                                "recv_relayed must take them")
         if self._down_first is not None:
-            raise RuntimeError(f"rank {self.rank}: the route carried the message down; recv_down must take it")
+            raise RuntimeError(f"rank {self.rank}: the route carried the message down; "
+                               "recv_down must take it")
 
     def recv_down(self, bound: int | None = None) -> torch.Tensor:
         """The first piece came with the route when the route was ``merged`` (never in a bounded exchange,
