@@ -9,9 +9,13 @@ counter sampler, shared by every network namespace of the machine) and the ranks
 master's step seconds and bytes, each worker's compute seconds and bytes up and down). The counters
 between a chunk's start and end are the chunk's traffic: its steps, without the run's start-up, the fold
 start's weights, link probes, evaluations and checkpoints. One other difference: the state asked for at
-an epoch's end (``RankGroup.ask_state``) is asked 0.15 s later, and a link probe starts 0.15 s after the
-chunk before it ended and returns 0.15 s after it ended, so that no such traffic is smeared into a
-chunk's window by the sampler's interpolation. The pauses lengthen a DPGS row's epochs by 0.15 s each;
+an epoch's end (``RankGroup.ask_state``) is asked 0.15 s later, and the next chunk starts 0.15 s after it
+has arrived on the driver's node; a link probe starts 0.15 s after the chunk before it ended and returns
+0.15 s after it ended, so that no such traffic is smeared into a chunk's window by the sampler's
+interpolation. (A user's run sends the asked state while the next epoch's first steps run; since the
+epoch's validation moved into its last chunk, 2026-11-28, nothing else separated the two, and the
+feature-bag rows counted a keep-1 % residual's 0.85 MB a worker into the next epoch's steps: 1.9-2x
+dpgs's count instead of 1.1x.) The pauses lengthen a DPGS row's epochs by 0.15 s each;
 the record lists them (``pauses``), and a row's time to its target leaves out those before the target's
 validation (``bandwidth_rows.paused_by_epoch``): a user's run has none. Until 2026-11-27 they were counted
 in, 0.45 s or more of a 4-6 s feature-bag run with ``keep_ratio=auto`` (a probe padded on both sides).
@@ -34,6 +38,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import ray
 
 import dpgs.distributed.session as session
 from dpgs.cli import main as dpgs_main
@@ -75,10 +81,18 @@ class RecordingGroup(RankGroup):
     def ask_state(self, weights: bool = True):
         """As the group's, after a pause that lets the counter sampler (every 50 ms, interpolated) take a
         sample between the epoch's last chunk and this traffic: the workers' residuals (46 MB each for the
-        tile encoder) would otherwise be smeared into the chunk's window. Outside every measured step."""
+        tile encoder) would otherwise be smeared into the chunk's window. Then it waits until the answers
+        are on this node and pauses again, so that they are not counted in the next chunk's window either.
+        Outside every measured step."""
         self._pause("ask_state")
         self._write()
         super().ask_state(weights)
+        started = time.monotonic()
+        refs = [*self.asked.sync_states, *([] if self.asked.weights is None else [self.asked.weights])]
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=True)
+        time.sleep(PAUSE_S)
+        RecordingGroup.pauses.append({"end": time.time(), "seconds": time.monotonic() - started,
+                                      "before": "chunk after the asked state"})
 
     def probe_links(self, sizes):
         self._pause("probe")  # the chunk before must not take in the probe's first megabytes

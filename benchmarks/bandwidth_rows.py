@@ -229,8 +229,9 @@ def measured_steps(chunks: list[dict]) -> list[int]:
 
 
 def paused_by_epoch(pauses: list[dict], epochs: int) -> list[float]:
-    """Seconds the benchmark's driver paused (``bandwidth_driver.PAUSE_S``, around probes and before the
-    states asked at each epoch's end) before each epoch's validation: those up to the epoch's own pause
+    """Seconds the benchmark's driver paused (``bandwidth_driver.PAUSE_S``, around probes, before the
+    states asked at each epoch's end and until they arrived) before each epoch's
+    validation: those up to the epoch's own pause
     before ``ask_state``, which comes once per epoch right after its last chunk. A user's run has none, so
     a row's time to its target leaves them out."""
     ends = [p["end"] for p in pauses if p["before"] == "ask_state"]
