@@ -11,7 +11,9 @@ is not the compute measured for the model; each row is predicted from the lab's 
 * else the model alone (compute measured on this machine: expect the lab to be slower).
 
 Links are ``loopback`` or a rate (``100mbit``, ``1 Gbps``, ...), every host's link shaped to it (tc counts
-1500-byte frames) with ``latency_s`` one way; ``master_shaped=False`` when only the workers' links are.
+1500-byte frames) with ``latency_s`` one way, or the delay the name adds (``1gbit+1ms``: the lab's delay
+line, 1 ms one way between a worker and the master); ``master_shaped=False`` when only the workers' links
+are.
 """
 
 from __future__ import annotations
@@ -28,15 +30,31 @@ METHODS = {"dpgs-dense": "dpgs-dense", "dpgs-keep1": "dpgs-keep0.01", "dpgs-keep
 UNLIMITED = 1e15  # bits/s: a link that is not shaped
 
 
-def link_rate(text: str) -> float | None:
-    """Bits/s of ``100mbit``, ``1 Gbps``, ``1gbit/s``...; None for ``loopback``."""
+LINK = re.compile(r"(\d+(?:\.\d+)?)\s*([kmg])\s*(?:bit|bps|b/s|bit/s|bits/s)?"
+                  r"(?:\s*\+\s*(\d+(?:\.\d+)?)\s*ms)?")  # rate, then the delay a lab link adds
+
+
+def _link(text: str) -> re.Match | None:
     t = text.strip().lower()
     if t in ("loopback", "lo", "none", "unshaped"):
         return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg])\s*(?:bit|bps|b/s|bit/s|bits/s)?", t)
+    m = LINK.fullmatch(t)
     if not m:
-        raise ValueError(f"link '{text}': expected loopback or a rate such as 100mbit or 1 Gbps")
-    return float(m.group(1)) * UNITS[m.group(2)]
+        raise ValueError(f"link '{text}': expected loopback or a rate such as 100mbit, 1 Gbps or 1gbit+1ms")
+    return m
+
+
+def link_rate(text: str) -> float | None:
+    """Bits/s of ``100mbit``, ``1 Gbps``, ``1gbit+1ms``...; None for ``loopback``."""
+    m = _link(text)
+    return None if m is None else float(m.group(1)) * UNITS[m.group(2)]
+
+
+def link_delay(text: str) -> float | None:
+    """The one-way delay a link's name gives (``1gbit+1ms``: each worker host's link delayed 1 ms, so
+    1 ms between a worker and the master), in seconds; None when it names none."""
+    m = _link(text)
+    return None if m is None or m.group(3) is None else float(m.group(3)) / 1e3
 
 
 def workload_for(name: str, workloads: dict[str, Workload]) -> Workload:
@@ -81,7 +99,9 @@ def compare_lab(path: Path, workloads: list[Workload], default_workers: int, def
         w = workload_for(r["workload"], by_name)
         p = int(r.get("workers", default_workers))
         rate = link_rate(str(r["link"]))
-        s = scenario(rate, p, int(r.get("bags_per_step", default_bags)), latency_s, master_shaped)
+        delay = link_delay(str(r["link"]))
+        bags = int(r.get("bags_per_step", default_bags))
+        s = scenario(rate, p, bags, latency_s if delay is None else delay, master_shaped)
         step = predict(w, method, s)
         base = loop.get((r["workload"], r["method"], p))
         if r.get("compute_s") is not None:

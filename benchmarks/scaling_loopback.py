@@ -29,7 +29,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scaling_model import DPGS_ONE_WAY_LATENCIES, GOODPUT_TC, Link, Scenario, Workload, dpgs_messages, predict
+from scaling_model import (
+    DPGS_ONE_PIECE_LATENCIES,
+    GOODPUT_TC,
+    Link,
+    Scenario,
+    Workload,
+    dpgs_messages,
+    predict,
+)
 from scaling_netns import MTU, main_inside, run_in_namespace, setup_namespace
 
 SHAPES = {"100mbit": 100e6, "1gbit": 1e9}
@@ -137,7 +145,7 @@ def run_checks(workloads: list[Workload], quick: bool, progress: Callable[[str],
                                       "cases": with_rounds(todo, by_name, guess, quick)})
     results["namespaces"]["unshaped"] = plain
     stack = plain["stack_payload_bps"]
-    latency = plain["latency_round_s"] / DPGS_ONE_WAY_LATENCIES
+    latency = plain["latency_round_s"] / DPGS_ONE_PIECE_LATENCIES  # a round of 1-byte messages
     for name, rate in SHAPES.items():
         progress(f"loopback: tbf {name}")
         link = Link(name, min(rate * GOODPUT_TC, stack), latency, 1.0)

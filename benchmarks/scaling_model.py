@@ -33,7 +33,8 @@ DDP_BUCKET_BYTES = 25 * MIB  # ... the others at bucket_cap_mb = 25
 DPGS_FRAME_HEADER = 25  # dpgs.distributed.frames: struct "<4sBQdI"
 DPGS_FRAME_PART = 8  # one u64 size per part
 DPGS_RELAY_PIECE = 128 << 10  # dpgs.distributed.gloo.CHUNK: the relay forwards an upload in such pieces
-DPGS_ONE_WAY_LATENCIES = 6  # per step, see dpgs_latency
+DPGS_ONE_PIECE_LATENCIES = 2  # per step whose messages are each one gloo message, see dpgs_latency
+DPGS_PIECED_LATENCIES = 6  # per step whose messages travel in pieces, see dpgs_latency
 # Payload bytes per wire byte of a bulk TCP transfer, MSS 1448 (timestamps on) in a 1500-byte MTU:
 # counted by tc and interface counters (1514-byte frames) and on a physical link (plus 8 bytes of
 # preamble and 12 of inter-frame gap: 1538).
@@ -181,12 +182,19 @@ def star_phase(nbytes_each: float, s: Scenario) -> float:
     return max(s.link.seconds(s.workers * nbytes_each), s.worker.seconds(nbytes_each))
 
 
-def dpgs_latency(s: Scenario) -> float:
-    """One-way latencies on a DPGS step's critical path: each direction is a size message then a body,
-    and a gloo send waits for the receiver's ready notice: up = size (1) + notice and body (2), down
-    the same: 6 one-way latencies (the first notice of each direction is posted while the peer
-    computes)."""
-    return DPGS_ONE_WAY_LATENCIES * s.link.latency_s
+def dpgs_latency(s: Scenario, one_piece: bool) -> float:
+    """One-way latencies on a DPGS step's critical path (``dpgs.distributed.gloo``). A gloo send waits for
+    the receiver's ready notice. ``one_piece``: every message is one gloo message whose receive was posted
+    before it is sent (a dense step's bounded exchange; a compressed step whose messages up fit one piece,
+    whose route then carries the message down): one latency up, one down, 2 in all. Otherwise a message
+    up is a first piece, then the route down, then the rest of the message (a notice, then the data), and
+    the message down follows: 6 (the first notice of each direction is posted while the peer computes)."""
+    return (DPGS_ONE_PIECE_LATENCIES if one_piece else DPGS_PIECED_LATENCIES) * s.link.latency_s
+
+
+def one_piece(message_up_bytes: float) -> bool:
+    """Whether a compressed step's messages up each fit a first piece (``gloo.FIRST`` bytes)."""
+    return message_up_bytes <= DPGS_RELAY_PIECE - 8
 
 
 def compute(w: Workload, s: Scenario) -> float:
@@ -199,7 +207,7 @@ def dpgs_dense(w: Workload, s: Scenario) -> Step:
     gradients, steps, and sends raw float32 weights + buffers down; workers load them."""
     up, down = dpgs_messages(w, "dpgs-dense", s.workers)
     cpu = w.dense_pack_s + s.workers * w.dense_add_s + w.optimizer_s + w.dense_load_s
-    comm = star_phase(up, s) + star_phase(down, s) + dpgs_latency(s)
+    comm = star_phase(up, s) + star_phase(down, s) + dpgs_latency(s, one_piece=True)  # bounded
     return Step("dpgs-dense", s.workers, compute(w, s), cpu, comm, s.workers * (up + down), up + down)
 
 
@@ -236,7 +244,7 @@ def dpgs_relay(w: Workload, s: Scenario, keep: float) -> Step:
         relay = star_phase(up, s) + star_phase(relayed, s)
     apply = s.workers * c.decode_add_s + w.optimizer_s
     cpu = c.encode_s + apply + (s.workers * c.decode_add_s if s.clipping else 0.0)
-    comm = relay + star_phase(relay_frame_bytes(w), s) + dpgs_latency(s)
+    comm = relay + star_phase(relay_frame_bytes(w), s) + dpgs_latency(s, one_piece(up))
     return Step(f"dpgs-keep{keep:g}", s.workers, compute(w, s), cpu, comm, s.workers * (up + down),
                 up + down)
 
@@ -248,7 +256,7 @@ def dpgs_delta(w: Workload, s: Scenario, keep: float) -> Step:
     up = c.payload_bytes + 8 * w.buffer_numel
     down = DPGS_FRAME_HEADER + 2 * DPGS_FRAME_PART + c.delta_bytes + 4 * w.buffer_numel
     cpu = c.encode_s + s.workers * c.decode_add_s + w.optimizer_s + c.delta_encode_s + c.decode_add_s
-    comm = star_phase(up, s) + star_phase(down, s) + dpgs_latency(s)
+    comm = star_phase(up, s) + star_phase(down, s) + dpgs_latency(s, one_piece(up))
     return Step(f"dpgs-keep{keep:g}-delta", s.workers, compute(w, s), cpu, comm, s.workers * (up + down),
                 up + down)
 
@@ -264,7 +272,7 @@ def dpgs_merged(w: Workload, s: Scenario, keep: float) -> Step:
     decode_merged = c.decode_add_s * union / c.entries
     cpu = (c.encode_s + s.workers * c.decode_add_s + c.merged_encode_per_entry_s * union + decode_merged
            + w.optimizer_s)
-    comm = star_phase(up, s) + star_phase(down, s) + dpgs_latency(s)
+    comm = star_phase(up, s) + star_phase(down, s) + dpgs_latency(s, one_piece(up))
     return Step(f"dpgs-keep{keep:g}-merged", s.workers, compute(w, s), cpu, comm, s.workers * (up + down),
                 up + down)
 

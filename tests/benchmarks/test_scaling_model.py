@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from scaling_lab import link_rate  # noqa: E402
+from scaling_lab import link_delay, link_rate  # noqa: E402
 from scaling_model import (  # noqa: E402
     Compressed,
     Link,
@@ -44,30 +44,32 @@ def workload(**changes) -> Workload:
 
 def test_dense_star_step_by_hand():
     # P = 4 workers, B = 8 bags: 2 bags each -> compute 2 s. Up and down 4 MB per worker; the master's
-    # link carries 4 x 4 MB each way: 2 x 0.128 s. Latency 6 x 1 ms. CPU: pack 0.02 + 4 adds x 0.01 +
+    # link carries 4 x 4 MB each way: 2 x 0.128 s. Latency 2 x 1 ms (bounded: one gloo message each way).
+    # CPU: pack 0.02 + 4 adds x 0.01 +
     # Adam 0.05 + load 0.03 = 0.14.
     step = predict(workload(), "dpgs-dense", Scenario(4, 8, GBPS))
     assert step.compute == pytest.approx(2.0)
     assert step.cpu == pytest.approx(0.14)
-    assert step.comm == pytest.approx(0.256 + 0.006)
-    assert step.total == pytest.approx(2.402)
+    assert step.comm == pytest.approx(0.256 + 0.002)
+    assert step.total == pytest.approx(2.398)
     assert step.master_bytes == pytest.approx(32e6)
-    assert step.exchange == pytest.approx(0.402)
+    assert step.exchange == pytest.approx(0.398)
 
 
 def test_relay_step_by_hand():
     # Up: 10 kB per worker (4 x 10 kB = 0.32 ms on the master's link). Down, forwarded as it arrives: the
     # three other payloads, 30 kB to each of 4 workers (0.96 ms); one piece (the payload is one), so the
     # forward starts once the upload is in: 0.32 + 0.96 ms. Then the frame of 25 + 8 bytes to each of 4
-    # workers (1.056 us). CPU: encode 0.004, every worker decodes 4 payloads (0.008) and steps Adam (0.05).
+    # workers (1.056 us). Each message is one piece: 2 latencies. CPU: encode 0.004, every worker decodes 4
+    # payloads (0.008) and steps Adam (0.05).
     step = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS))
     assert step.cpu == pytest.approx(0.062)
-    assert step.comm == pytest.approx(3.2e-4 + 9.6e-4 + 1.056e-6 + 0.006)
+    assert step.comm == pytest.approx(3.2e-4 + 9.6e-4 + 1.056e-6 + 0.002)
     assert step.total == pytest.approx(2.062 + step.comm)
     assert step.master_bytes == pytest.approx(4 * (10_000 + 30_000 + 33))
     clipped = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS, clipping=True))
     assert clipped.total - step.total == pytest.approx(0.008)  # the master decodes before its frame
-    # 10 MB payloads at P = 2 (77 pieces of 128 KiB): up and down at once, plus one piece
+    # 10 MB payloads at P = 2 (77 pieces of 128 KiB): up and down at once, plus one piece; 6 latencies
     big = workload(compressed={0.01: replace(workload().compressed[0.01], payload_bytes=10e6)})
     two = predict(big, "dpgs-keep0.01", Scenario(2, 4, GBPS))
     assert two.comm == pytest.approx(8 * 2 * (10e6 + (128 << 10)) / 1e9 + 8 * 2 * 33 / 1e9 + 0.006)
@@ -80,12 +82,12 @@ def test_merged_and_delta_by_hand():
     # Union of 4 top-k sets: 10 000 x 4 ** 0.5 = 20 000 entries -> 1 000 + 20 000 bytes + 41 of frame.
     merged = predict(workload(), "dpgs-keep0.01-merged", Scenario(4, 8, GBPS))
     down = 25 + 16 + 21_000
-    assert merged.comm == pytest.approx(8 * 4 * 10_000 / 1e9 + 8 * 4 * down / 1e9 + 0.006)
+    assert merged.comm == pytest.approx(8 * 4 * 10_000 / 1e9 + 8 * 4 * down / 1e9 + 0.002)
     # encode 0.004 + master decodes 4 x 0.002 + merge encode 20 000 x 1e-7 + worker decodes 2 payloads'
     # worth (0.004) + Adam 0.05
     assert merged.cpu == pytest.approx(0.004 + 0.008 + 0.002 + 0.004 + 0.05)
     delta = predict(workload(), "dpgs-keep0.01-delta", Scenario(4, 8, GBPS))
-    assert delta.comm == pytest.approx(8 * 4 * 10_000 / 1e9 + 8 * 4 * (25 + 16 + 12_000) / 1e9 + 0.006)
+    assert delta.comm == pytest.approx(8 * 4 * 10_000 / 1e9 + 8 * 4 * (25 + 16 + 12_000) / 1e9 + 0.002)
     assert delta.cpu == pytest.approx(0.004 + 0.008 + 0.05 + 0.006 + 0.002)
 
 
@@ -95,7 +97,7 @@ def test_slow_worker_links_bound_the_phase():
     fast = Link("10 Gbps", 10e9, 1e-3, goodput=1.0)
     slow = Link("100 Mbps", 100e6, 1e-3, goodput=1.0)
     step = predict(workload(), "dpgs-dense", Scenario(4, 8, fast, worker_link=slow))
-    assert step.comm == pytest.approx(2 * 0.32 + 0.006)
+    assert step.comm == pytest.approx(2 * 0.32 + 0.002)
 
 
 def test_ddp_ring_by_hand():
@@ -123,16 +125,16 @@ def test_ddp_ring_by_hand():
 
 
 def test_saturation_and_fastest_workers_by_hand():
-    # B = 64. Dense exchange(P) = 0.106 + P x 0.064 (link, both phases) + 0.01 P (adds) = 0.106 + 0.074 P;
-    # compute(P) = ceil(64 / P). P = 9: 0.772 <= 0.8; P = 10: 0.846 > 0.7.
+    # B = 64. Dense exchange(P) = 0.102 + P x 0.064 (link, both phases) + 0.01 P (adds) = 0.102 + 0.074 P;
+    # compute(P) = ceil(64 / P). P = 9: 0.768 <= 0.8; P = 10: 0.842 > 0.7.
     s = Scenario(1, 64, GBPS)
     assert exchange_limit_workers(workload(), "dpgs-dense", s, list(range(1, 65))) == 10
-    # total(P) = ceil(64 / P) + 0.106 + 0.074 P: P = 16 gives 4 + 1.29 = 5.29, P = 32 gives 2 + 2.474 =
-    # 4.474, P = 22 gives 3 + 1.734 = 4.734, P = 64 gives 1 + 4.842; the minimum is P = 32.
+    # total(P) = ceil(64 / P) + 0.102 + 0.074 P: P = 16 gives 4 + 1.286 = 5.286, P = 32 gives 2 + 2.47 =
+    # 4.47, P = 22 gives 3 + 1.73 = 4.73, P = 64 gives 1 + 4.838; the minimum is P = 32.
     assert fastest_workers(workload(), "dpgs-dense", s, list(range(1, 65))) == 32
     assert exchange_limit_workers(workload(), "dpgs-dense", s, [1, 2], share=10.0) is None
-    # The network alone, 0.006 + 0.064 P against 0.1 ceil(64 / P): P = 10 gives 0.646 <= 0.7, P = 11
-    # gives 0.71 > 0.6.
+    # The network alone, 0.002 + 0.064 P against 0.1 ceil(64 / P): P = 10 gives 0.642 <= 0.7, P = 11
+    # gives 0.706 > 0.6.
     assert exchange_limit_workers(workload(), "dpgs-dense", s, list(range(1, 65)), part="comm") == 11
 
 
@@ -147,6 +149,9 @@ def test_lab_link_names():
     assert link_rate("100mbit") == 100e6
     assert link_rate("1 Gbps") == 1e9
     assert link_rate("loopback") is None
+    assert link_rate("1gbit+1ms") == 1e9
+    assert link_delay("100mbit+2.5ms") == pytest.approx(2.5e-3)
+    assert link_delay("100mbit") is None and link_delay("loopback") is None
     with pytest.raises(ValueError, match="expected loopback or a rate"):
         link_rate("fast")
 
@@ -158,7 +163,7 @@ def test_lab_rows_predicted_from_their_own_compute_or_loopback(tmp_path):
 
     rows = [
         # With compute_s: 1.5 + cpu 0.12 (0.02 + 2 x 0.01 + 0.05 + 0.03) + comm (2 phases of 2 x 4 MB at
-        # 100 Mbit/s x 1448/1514, 6 x 1 ms).
+        # 100 Mbit/s x 1448/1514, 2 x 1 ms).
         {"workload": "toy", "link": "100mbit", "method": "dpgs-dense", "workers": 2, "step_s": 2.0,
          "compute_s": 1.5, "wire_bytes_per_step": None},
         # Without: the loopback row's 1.25 s plus the same comm.
@@ -167,12 +172,16 @@ def test_lab_rows_predicted_from_their_own_compute_or_loopback(tmp_path):
     ]
     path = tmp_path / "bandwidth.json"
     path.write_text(json.dumps(rows))
-    comm = 2 * 8 * 2 * 4e6 / (100e6 * 1448 / 1514) + 0.006
+    comm = 2 * 8 * 2 * 4e6 / (100e6 * 1448 / 1514) + 0.002
     table = compare_lab(path, [workload()], default_workers=2)
     lines = table.splitlines()[2:]
     own = 1.5 + 0.12 + comm
     assert f"| {own:.3f} | {100 * (own / 2.0 - 1):+.0f} % | lab compute" in lines[0]
     assert f"| {1.25 + comm:.3f} | {100 * ((1.25 + comm) / 2.5 - 1):+.0f} % | lab loopback" in lines[2]
+    # A delayed link's row takes its own delay (the default latency is 1 ms): 2 x 5 ms.
+    path.write_text(json.dumps([{**rows[0], "link": "100mbit+5ms"}]))
+    delayed = compare_lab(path, [workload()], default_workers=2).splitlines()[2]
+    assert f"| {own + 0.008:.3f} |" in delayed
     path.write_text(json.dumps([{"workload": "toy", "link": "100mbit"}]))
     with pytest.raises(SystemExit, match="row 0 lacks method, step_s"):
         compare_lab(path, [workload()], default_workers=2)
