@@ -5,7 +5,9 @@ bandwidth.py``), optionally with ``"workers"`` (P), ``"bags_per_step"`` and ``"c
 slowest worker's forward + backward per step). The lab's hosts share one machine's cores, so its compute
 is not the compute measured for the model; each row is predicted from the lab's own figures:
 
-* with ``compute_s``: ``compute_s + cpu + comm`` (cpu: the model's codec, sums and optimizer terms);
+* with ``compute_s``: ``compute_s + cpu + comm`` (cpu: the model's codec, sums and optimizer terms), plus
+  the runtime's own cost per step where the rows hold a loopback row of the same workload, method and P
+  with its ``compute_s`` (:func:`loop_cost`);
 * else from the loopback row of the same workload, method and P: ``step_s(loopback) + comm(link)``
   (the loopback row is the step without a link: compute and cpu as the lab runs them);
 * else the model alone (compute measured on this machine: expect the lab to be slower).
@@ -28,6 +30,7 @@ UNITS = {"k": 1e3, "m": 1e6, "g": 1e9}
 METHODS = {"dpgs-dense": "dpgs-dense", "dpgs-keep1": "dpgs-keep0.01", "dpgs-keep0.1": "dpgs-keep0.001",
            "ddp": "ddp", "ddp-powersgd": "ddp-powersgd"}
 UNLIMITED = 1e15  # bits/s: a link that is not shaped
+LOOPBACK_LATENCY_S = 54e-6  # one way in an unshaped namespace, measured by --loopback (docs/scaling.md)
 
 
 LINK = re.compile(r"(\d+(?:\.\d+)?)\s*([kmg])\s*(?:bit|bps|b/s|bit/s|bits/s)?"
@@ -68,6 +71,16 @@ def workload_for(name: str, workloads: dict[str, Workload]) -> Workload:
     return workloads[key]
 
 
+def loop_cost(loopback: dict, w: Workload, method: str, workers: int, bags: int) -> float:
+    """What a step of the runtime costs beyond the model's terms, from the loopback row of the same
+    workload, method and P (measured step - its compute - the model's cpu and network there, at least 0):
+    Python, thread wake-ups and scheduling on the lab's shared cores, a few milliseconds a step, which a
+    millisecond-scale step cannot leave out."""
+    s = scenario(None, workers, bags, LOOPBACK_LATENCY_S, True)
+    step = predict(w, method, s)
+    return max(0.0, float(loopback["step_s"]) - float(loopback["compute_s"]) - step.cpu - step.comm)
+
+
 def scenario(rate: float | None, workers: int, bags: int, latency_s: float, master_shaped: bool) -> Scenario:
     worker = Link("lab", rate or UNLIMITED, latency_s, GOODPUT_TC)
     master = worker if master_shaped else Link("lab master", UNLIMITED, latency_s, GOODPUT_TC)
@@ -104,7 +117,10 @@ def compare_lab(path: Path, workloads: list[Workload], default_workers: int, def
         s = scenario(rate, p, bags, latency_s if delay is None else delay, master_shaped)
         step = predict(w, method, s)
         base = loop.get((r["workload"], r["method"], p))
-        if r.get("compute_s") is not None:
+        if r.get("compute_s") is not None and base is not None and base is not r and base.get("compute_s"):
+            how, pred = ("lab compute + model + loop", float(r["compute_s"]) + step.cpu + step.comm
+                         + loop_cost(base, w, method, p, bags))
+        elif r.get("compute_s") is not None:
             how, pred = "lab compute + model", float(r["compute_s"]) + step.cpu + step.comm
         elif base is not None and base is not r:
             how, pred = "lab loopback + model comm", float(base["step_s"]) + step.comm
