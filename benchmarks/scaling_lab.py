@@ -5,9 +5,10 @@ bandwidth.py``), optionally with ``"workers"`` (P), ``"bags_per_step"`` and ``"c
 slowest worker's forward + backward per step). The lab's hosts share one machine's cores, so its compute
 is not the compute measured for the model; each row is predicted from the lab's own figures:
 
-* with ``compute_s``: ``compute_s + cpu + comm`` (cpu: the model's codec, sums and optimizer terms), plus
-  the runtime's own cost per step where the rows hold a loopback row of the same workload, method and P
-  with its ``compute_s`` (:func:`loop_cost`);
+* with ``compute_s``: ``compute_s + cpu + comm`` (cpu: the model's codec, sums and optimizer terms), plus,
+  for a DPGS row on a shaped link, the runtime's own cost per step where the rows hold loopback rows of
+  the same workload, method and P with their ``compute_s`` (:func:`loop_cost`; a DDP row's ``compute_s``
+  is a DPGS row's, so its loopback step holds more than a loop);
 * else from the loopback row of the same workload, method and P: ``step_s(loopback) + comm(link)``
   (the loopback row is the step without a link: compute and cpu as the lab runs them);
 * else the model alone (compute measured on this machine: expect the lab to be slower).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 from scaling_model import GOODPUT_TC, Link, Scenario, Workload, predict
@@ -71,14 +73,14 @@ def workload_for(name: str, workloads: dict[str, Workload]) -> Workload:
     return workloads[key]
 
 
-def loop_cost(loopback: dict, w: Workload, method: str, workers: int, bags: int) -> float:
-    """What a step of the runtime costs beyond the model's terms, from the loopback row of the same
-    workload, method and P (measured step - its compute - the model's cpu and network there, at least 0):
-    Python, thread wake-ups and scheduling on the lab's shared cores, a few milliseconds a step, which a
-    millisecond-scale step cannot leave out."""
-    s = scenario(None, workers, bags, LOOPBACK_LATENCY_S, True)
-    step = predict(w, method, s)
-    return max(0.0, float(loopback["step_s"]) - float(loopback["compute_s"]) - step.cpu - step.comm)
+def loop_cost(loopbacks: list[dict], w: Workload, method: str, workers: int, bags: int) -> float:
+    """What a step of the runtime costs beyond the model's terms, from the loopback rows of the same
+    workload, method and P (the median of each row's step - its compute - the model's cpu and network
+    there, at least 0): Python, thread wake-ups and scheduling on the lab's shared cores, a few
+    milliseconds a step, which a millisecond-scale step cannot leave out."""
+    step = predict(w, method, scenario(None, workers, bags, LOOPBACK_LATENCY_S, True))
+    return max(0.0, statistics.median(float(b["step_s"]) - float(b["compute_s"]) - step.cpu - step.comm
+                                      for b in loopbacks))
 
 
 def scenario(rate: float | None, workers: int, bags: int, latency_s: float, master_shaped: bool) -> Scenario:
@@ -97,10 +99,11 @@ def compare_lab(path: Path, workloads: list[Workload], default_workers: int, def
     if not isinstance(rows, list):
         raise SystemExit(f"{path}: expected a list of rows")
     by_name = {w.name: w for w in workloads}
-    loop = {}
+    loop: dict[tuple, list[dict]] = {}
     for r in rows:
         if link_rate(str(r.get("link", ""))) is None:
-            loop[(r.get("workload"), r.get("method"), int(r.get("workers", default_workers)))] = r
+            key = (r.get("workload"), r.get("method"), int(r.get("workers", default_workers)))
+            loop.setdefault(key, []).append(r)
     out = []
     for i, r in enumerate(rows):
         missing = [k for k in ("workload", "link", "method", "step_s") if k not in r]
@@ -116,10 +119,12 @@ def compare_lab(path: Path, workloads: list[Workload], default_workers: int, def
         bags = int(r.get("bags_per_step", default_bags))
         s = scenario(rate, p, bags, latency_s if delay is None else delay, master_shaped)
         step = predict(w, method, s)
-        base = loop.get((r["workload"], r["method"], p))
-        if r.get("compute_s") is not None and base is not None and base is not r and base.get("compute_s"):
+        loops = loop.get((r["workload"], r["method"], p), [])
+        base = loops[-1] if loops else None
+        timed = [b for b in loops if b.get("compute_s") is not None]
+        if r.get("compute_s") is not None and rate is not None and timed and method.startswith("dpgs"):
             how, pred = ("lab compute + model + loop", float(r["compute_s"]) + step.cpu + step.comm
-                         + loop_cost(base, w, method, p, bags))
+                         + loop_cost(timed, w, method, p, bags))
         elif r.get("compute_s") is not None:
             how, pred = "lab compute + model", float(r["compute_s"]) + step.cpu + step.comm
         elif base is not None and base is not r:

@@ -188,8 +188,9 @@ def test_lab_rows_predicted_from_their_own_compute_or_loopback(tmp_path):
 
 
 def test_a_loopback_row_with_its_compute_adds_the_runtime_loop_cost(tmp_path):
-    """The loopback row's step less its compute and the model's terms there is the runtime's own cost per
-    step; a lab row of the same workload, method and P adds it to its compute and the model's terms."""
+    """A loopback row's step less its compute and the model's terms there is the runtime's own cost per
+    step; a lab row of the same workload, method and P adds the median over such rows to its compute and
+    the model's terms."""
     import json
 
     from scaling_lab import LOOPBACK_LATENCY_S, compare_lab
@@ -199,12 +200,16 @@ def test_a_loopback_row_with_its_compute_adds_the_runtime_loop_cost(tmp_path):
          "compute_s": 1.5},
         {"workload": "toy", "link": "100mbit", "method": "dpgs-dense", "workers": 2, "step_s": 2.0,
          "compute_s": 1.5},
+        {"workload": "toy", "link": "loopback", "method": "dpgs-dense", "workers": 2, "step_s": 1.9,
+         "compute_s": 1.7},  # step - compute: 0.3, 0.2 and 0.4 over the three; the median 0.3
+        {"workload": "toy", "link": "loopback", "method": "dpgs-dense", "workers": 2, "step_s": 2.3,
+         "compute_s": 1.9},
     ]
     path = tmp_path / "bandwidth.json"
     path.write_text(json.dumps(rows))
-    loop = 1.8 - 1.5 - 0.12 - (2 * 8 * 2 * 4e6 / 1e15 + 2 * LOOPBACK_LATENCY_S)
+    loop = 0.3 - 0.12 - (2 * 8 * 2 * 4e6 / 1e15 + 2 * LOOPBACK_LATENCY_S)
     comm = 2 * 8 * 2 * 4e6 / (100e6 * 1448 / 1514) + 0.002
     lines = compare_lab(path, [workload()], default_workers=2).splitlines()[2:]
     assert f"| {1.5 + 0.12 + comm + loop:.3f} |" in lines[1] and "lab compute + model + loop" in lines[1]
-    # the loopback row itself: its own compute and the model (it is not its own base)
+    # a loopback row: its own compute and the model (the loop's cost is what it measures)
     assert "| lab compute + model |" in lines[0]
