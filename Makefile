@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dpgs train --config configs/demo.yaml train.mode=classic tracking.run_name=classic \
 		train.output_dir=runs/demo-classic
 	$(VENV)/bin/dpgs train --config configs/demo-dpgs.yaml tracking.run_name=dpgs-P2-B16-auto
-	$(VENV)/bin/dpgs compare --experiment dpgs-demo --metric val_auc --out runs/demo-compare
+	$(VENV)/bin/dpgs compare --experiment dpgs-demo --metric val_auc --latest --out runs/demo-compare
 	@echo
 	@echo "MLflow results: sqlite:///mlflow.db (experiment dpgs-demo)"
 	@echo "open them with: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db  (then http://127.0.0.1:5000)"
@@ -44,7 +44,7 @@ demo-tiles: $(STAMP)
 	$(VENV)/bin/dpgs train --config configs/tiles-demo.yaml tracking.run_name=end-to-end
 	$(VENV)/bin/dpgs train --config configs/tiles-demo.yaml model.freeze_encoder=true \
 		tracking.run_name=frozen-encoder train.output_dir=runs/tiles-demo-frozen
-	$(VENV)/bin/dpgs compare --experiment dpgs-tiles-demo --metric val_auc --out runs/tiles-demo-compare
+	$(VENV)/bin/dpgs compare --experiment dpgs-tiles-demo --metric val_auc --latest --out runs/tiles-demo-compare
 
 # The cluster image (docker/Dockerfile) built here and used, as root: Debian's docker.io with a private
 # dockerd, a debootstrap Debian root as BASE_IMAGE, torch from a local wheel folder, then dpgs --version,

@@ -269,10 +269,20 @@ def flag_overlaps(rows: list[dict], metric: str) -> None:
             row[f"{metric}_vs_best"] = "overlaps" if ci.overlaps(interval(best)) else "separated"
 
 
+def latest_of_each_name(runs: list[Run]) -> list[Run]:
+    """The newest of the runs (ordered by start time) that share a run name, in start order: a command run
+    again (``make demo`` twice) replaces its earlier run instead of adding a second curve of the same
+    name."""
+    newest = {r.info.run_name or r.info.run_id: r for r in runs}
+    return [r for r in runs if newest[r.info.run_name or r.info.run_id] is r]
+
+
 def compare(
-    tracking_uri: str, experiment: str, metric: str = "val_auc", target: float | None = None
+    tracking_uri: str, experiment: str, metric: str = "val_auc", target: float | None = None,
+    latest: bool = False,
 ) -> list[dict]:
-    """The comparison rows of ``experiment`` (see the module docstring); each row keeps its curves."""
+    """The comparison rows of ``experiment`` (see the module docstring); each row keeps its curves.
+    ``latest``: only the newest top-level run of each run name (:func:`latest_of_each_name`)."""
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_experiment_by_name(experiment)
     if found is None:
@@ -292,6 +302,8 @@ def compare(
         if parent in ids:
             children.setdefault(parent, []).append(r)
     top = [r for r in runs if r.data.tags.get(TAG_PARENT) not in ids]
+    if latest:
+        top = latest_of_each_name(top)
     if not top:
         raise CompareError(f"experiment '{experiment}' at {tracking_uri} has no runs to compare")
     rows = []

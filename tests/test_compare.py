@@ -316,3 +316,18 @@ def test_tracking_server(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_latest_keeps_the_newest_run_of_each_name(uri, tmp_path):
+    """A command run again (``make demo`` twice) logs a second run of the same name; ``--latest`` compares
+    only the newest one, and the k-fold parent with its folds stays one row."""
+    log_run(uri, "classic", CLASSIC, [0.5, 0.99], final={"test_auc": 0.95, "test_acc": 0.9})
+    everything, newest = tmp_path / "all", tmp_path / "newest"
+    assert main(["compare", "--experiment", "exp", "--tracking-uri", uri, "--out", str(everything)]) == 0
+    args = ["compare", "--experiment", "exp", "--tracking-uri", uri]
+    assert main([*args, "--latest", "--out", str(newest)]) == 0
+    names = [r["run"] for r in csv.DictReader((everything / "comparison.csv").open())]
+    assert names.count("classic") == 2
+    rows = list(csv.DictReader((newest / "comparison.csv").open()))
+    assert [r["run"] for r in rows] == ["dpgs", "dpgs-steps", "cv", "classic"]
+    assert float(rows[-1]["best"]) == pytest.approx(0.99)

@@ -31,6 +31,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="MLflow tracking URI: sqlite:///PATH or http://HOST:PORT (default sqlite:///mlflow.db)",
     )
     p.add_argument("--out", default="runs/compare", help="directory for comparison.csv/.md and the PNG")
+    p.add_argument(
+        "--latest",
+        action="store_true",
+        help="only the newest run of each run name (a command run again replaces its earlier run)",
+    )
     return p
 
 
@@ -40,7 +45,7 @@ def run(args) -> int:
     from dpgs.compare import CompareError, compare, log_comparison, to_markdown, write_outputs
 
     try:
-        rows = compare(args.tracking_uri, args.experiment, args.metric, args.target)
+        rows = compare(args.tracking_uri, args.experiment, args.metric, args.target, args.latest)
         print(to_markdown(rows, args.metric))
         files = write_outputs(
             rows,
