@@ -91,11 +91,15 @@ def message_pieces(body: torch.Tensor) -> list[torch.Tensor]:
     return [first_piece(body.numel(), body[: spans[0][1]])] + [body[lo:hi] for lo, hi in spans[1:]]
 
 
+def route_header(world: int) -> int:
+    """Bytes of a route's header: ``world - 1`` counts and ``merged``, int64 each."""
+    return PREFIX * world
+
+
 def route_capacity(world: int) -> int:
-    """The most bytes of a route: the header (``world - 1`` counts and ``merged``), a first piece of every
-    other worker's head, and a first piece of the message down."""
-    others = world - 2
-    return PREFIX * (others + 2) + others * FIRST + CHUNK
+    """The most bytes of a route: its header, a first piece of every other worker's head, and a first piece
+    of the message down."""
+    return route_header(world) + (world - 2) * FIRST + CHUNK
 
 
 def whole_message(body: torch.Tensor, bound: int) -> torch.Tensor:
@@ -204,7 +208,7 @@ class GlooChannel:
             return
         parts = message_pieces(body)
         sends = [self._post(True, parts[0], MASTER_RANK, _BODY_TAG)]
-        header = PREFIX * self.world  # world - 1 counts, then merged
+        header = route_header(self.world)
         route = torch.empty(route_capacity(self.world), dtype=torch.uint8)
         self._wait(self._post(False, route, MASTER_RANK, _ROUTE_TAG), MASTER_RANK, "receiving the route")
         *counts, merged = route[:header].view(torch.int64).tolist()
@@ -350,15 +354,15 @@ class GlooChannel:
                    merged: bool) -> torch.Tensor:
         """``rank``'s route, followed by the part of each head forwarded to it that its first piece held
         (``merged``: the first piece of the message down goes at its end, :meth:`send_down`)."""
-        if counts is None:
-            header = torch.tensor([NO_RELAY] * (self.world - 1) + [int(merged)], dtype=torch.int64)
-            return header.view(torch.uint8)
         own = worker_of(rank)
-        header = torch.tensor([0 if w == own else n for w, n in enumerate(counts)] + [int(merged)],
-                              dtype=torch.int64)
+        entries = ([NO_RELAY] * (self.world - 1) if counts is None
+                   else [0 if w == own else n for w, n in enumerate(counts)])
+        header = torch.tensor([*entries, int(merged)], dtype=torch.int64).view(torch.uint8)
+        if counts is None:
+            return header
         heads = [firsts[r][PREFIX : PREFIX + min(counts[worker_of(r)], FIRST)]
                  for r in range(1, self.world) if r != rank]
-        return torch.cat([header.view(torch.uint8), *heads])
+        return torch.cat([header, *heads])
 
     def _take_rest(self, rank: int, first: torch.Tensor, size: int, counts: list[int] | None,
                    sends: list[tuple[int, Any]], failed: list[str]) -> tuple[torch.Tensor, str | None]:

@@ -14,7 +14,7 @@ references through a small Ray actor, where the processes cannot connect to each
 ``dpgs.distributed.rendezvous`` opens one or the other.
 
 A step's exchange may be *bounded*: when every rank knows before the step the most bytes each message can
-hold (a dense step's, :meth:`dpgs.distributed.sync.StepSync.bounds`), every call of that exchange gets
+hold (a dense step's, :func:`dpgs.distributed.sync.step_bounds`), every call of that exchange gets
 the same ``bound`` (``up`` on the worker's ``send_up`` and the master's ``gather_up``, ``down`` on
 ``send_down`` and ``recv_down``). A bounded message is never relayed, and a transport may use the bound to
 post its receive for the whole message before the message is sent (gloo: one piece instead of a first
