@@ -161,11 +161,11 @@ class Uplink:
         """Seconds to encode ``grad`` at ``keep_ratio`` < 1 and to decode and sum ``decodes`` messages of its
         payload's size: the codec of one step of this worker (its encode, then a step's P payloads summed).
         Run on a copy of the error-feedback state (this codec is left as it was), on a copy of ``grad``."""
-        scratch, grad = copy.deepcopy(self), grad.clone()
-        start = time.perf_counter()
+        scratch, grad, total = copy.deepcopy(self), grad.clone(), torch.zeros(self.numel)
+        start = time.perf_counter()  # the sum's vector is allocated once a run (Replica.gradient_buffer)
         payload = scratch.encode(grad, keep_ratio)
         part = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        scratch.sum_into(torch.zeros(self.numel), [part] * decodes, [1] * decodes, keep_ratio)
+        scratch.sum_into(total, [part] * decodes, [1] * decodes, keep_ratio)
         return time.perf_counter() - start
 
     def state_dict(self) -> dict:

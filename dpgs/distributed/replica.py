@@ -34,6 +34,7 @@ class Replica:
         self.n_buffers = sum(b.numel() for b in self.buffer_list)
         self.optimizer: torch.optim.Optimizer | None = None
         self._denominators: tuple[torch.optim.Optimizer, torch.Tensor] | None = None  # (frozen optimizer, d)
+        self._gradient: torch.Tensor | None = None
         self.version = 0
 
     def flat_params(self) -> torch.Tensor:
@@ -59,6 +60,15 @@ class Replica:
             for b in self.buffer_list:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
                 offset += b.numel()
+
+    def gradient_buffer(self) -> torch.Tensor:
+        """The float32 CPU vector of ``numel`` in which this rank forms each step's gradient (the sum of the
+        workers' messages, then their mean in place), handed to :meth:`step`. The same vector every step,
+        holding the last step's values: a fresh ``4 * numel`` bytes would pay its page faults every step
+        (about 20 ms for ResNet-18's 46 MB on the development VM, against 1.4 ms to zero this one)."""
+        if self._gradient is None:
+            self._gradient = torch.empty(self.numel, dtype=torch.float32)
+        return self._gradient
 
     def step(self, grad: torch.Tensor, lr: float, clip: float) -> None:
         """One optimizer step on the flat float32 gradient ``grad`` (already the mini-batch mean)."""

@@ -27,7 +27,7 @@ from dpgs.distributed.frames import (
 from dpgs.distributed.messages import MasterStep, StepPlan
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up, step_bounds
-from dpgs.distributed.sync.relay import mean_and_clip
+from dpgs.distributed.sync.relay import norm_and_clip
 from dpgs.distributed.transport import Channel
 
 
@@ -73,10 +73,10 @@ class DeltaSync:
         bounds = step_bounds(step, replica)
         grads, buffers = split_up(channel.gather_up(bound=bounds.up), replica)
         waited = time.perf_counter()
-        total = self.uplink.sum_into(torch.zeros(replica.numel), grads, step.counts(), step.keep_ratio)
-        grad, norm, clip = mean_and_clip(total, step.n_bags, self.grad_clip)
+        total = self.uplink.sum_into(replica.gradient_buffer().zero_(), grads, step.counts(), step.keep_ratio)
+        norm, clip = norm_and_clip(total, step.n_bags, self.grad_clip)
         decoded = time.perf_counter()
-        replica.step(grad, step.lr, clip)
+        replica.step(total.div_(step.n_bags), step.lr, clip)
         merged = None if buffers is None else buffers / step.n_bags
         replica.load_buffers(merged)
         stepped = time.perf_counter()

@@ -42,16 +42,14 @@ from dpgs.distributed.messages import MasterStep, StepPlan
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up, step_bounds
 from dpgs.distributed.transport import Channel, ChannelBroken, worker_of
-from dpgs.train.optim import clip_coefficient
+from dpgs.train.optim import clip_coefficient, l2_norm
 
 
-def mean_and_clip(
-    total: torch.Tensor, n_bags: int, grad_clip: float | None
-) -> tuple[torch.Tensor, float, float]:
-    """``(total / n_bags, its L2 norm, the clip factor)``; ``total`` is left as it is."""
-    grad = total / n_bags
-    norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
-    return grad, norm, clip_coefficient(norm, grad_clip)
+def norm_and_clip(total: torch.Tensor, n_bags: int, grad_clip: float | None) -> tuple[float, float]:
+    """``(||total / n_bags||_2, the clip factor)`` of a step's gradient sum ``total``, which is left as it
+    is (the mean is then taken in place: ``total.div_(n_bags)``)."""
+    norm = l2_norm(total) / n_bags
+    return norm, clip_coefficient(norm, grad_clip)
 
 
 class RelaySync:
@@ -95,16 +93,17 @@ class RelaySync:
         data = channel.recv_down(bounds.down)
         received = time.perf_counter()
         frame = decode_frame(data, parts_of={KIND_GRADIENTS: 1, KIND_SUM: 2}, version=step.index + 1)
+        grad = replica.gradient_buffer()
         if frame.kind == KIND_SUM:
-            total = frame.floats(0, replica.numel, "gradient sum")
+            torch.div(frame.floats(0, replica.numel, "gradient sum"), step.n_bags, out=grad)
         else:
             if len(relayed) != len(step.bags) - 1:
                 raise PayloadError(f"a gradients frame after {len(relayed)} relayed payloads, expected "
                                    f"{len(step.bags) - 1}")
             payloads = [*relayed[:me], own, *relayed[me:]]
-            total = self.uplink.sum_into(torch.zeros(replica.numel), payloads, step.counts(), step.keep_ratio,
-                                         decoded)
-        replica.step(total / step.n_bags, step.lr, frame.clip)
+            self.uplink.sum_into(grad.zero_(), payloads, step.counts(), step.keep_ratio, decoded)
+            grad.div_(step.n_bags)
+        replica.step(grad, step.lr, frame.clip)
         replica.load_buffers(frame.buffers(replica.n_buffers))
         replica.version = step.index + 1
         down = data.numel() + sum(r.numel() for r in relayed)
@@ -152,10 +151,10 @@ class RelaySync:
         down = 0
         if relay and not clip_first:
             down = send(KIND_GRADIENTS, 1.0, [])
-        total = self.uplink.sum_into(torch.zeros(replica.numel), grads, step.counts(), step.keep_ratio)
+        total = self.uplink.sum_into(replica.gradient_buffer().zero_(), grads, step.counts(), step.keep_ratio)
         if not relay and not clip_first:
-            down = send(KIND_SUM, 1.0, [as_part(total)])
-        grad, norm, clip = mean_and_clip(total, step.n_bags, self.grad_clip)
+            down = send(KIND_SUM, 1.0, [as_part(total)])  # the frame holds a copy
+        norm, clip = norm_and_clip(total, step.n_bags, self.grad_clip)
         decoded = time.perf_counter()
         before_decoded = sending
         if clip_first:
@@ -164,7 +163,7 @@ class RelaySync:
             sizes = [g.numel() for g in grads]
             down += sum(sizes) - min(sizes)  # relayed during the gather
         relayed = time.perf_counter()
-        replica.step(grad, step.lr, clip)  # the workers take the same step meanwhile
+        replica.step(total.div_(step.n_bags), step.lr, clip)  # the workers take the same step meanwhile
         replica.load_buffers(merged)
         replica.version = step.index + 1
         if broken:
