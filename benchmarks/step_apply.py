@@ -63,7 +63,7 @@ def run(encoder: str, keep: float, steps: int) -> dict[str, dict[str, float]]:
     for _ in range(steps):
         grads = [torch.randn(replica.numel, generator=generator) * 1e-3 for _ in range(WORKERS)]
         for way, t in timers.items():
-            payloads = [torch.frombuffer(bytearray(t("encode", lambda u=u, g=g: u.encode(g.clone(), keep))),
+            payloads = [torch.frombuffer(bytearray(t("encode", lambda u=u, g=g: u.encode(g, keep))),
                                          dtype=torch.uint8) for u, g in zip(uplinks, grads, strict=True)]
             if way == "reused":
                 total = t("sum (2 payloads)", lambda p=payloads: uplinks[0].sum_into(
