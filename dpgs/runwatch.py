@@ -14,7 +14,8 @@ driver ends. Then, for every run the driver did not end whose store still exists
 a store that is gone, not one to recreate) and that is still RUNNING, it marks it FAILED with the
 ``dpgs.error`` tag and prints ``dpgs train: error: ...``; after such an abnormal end it also stops the
 processes of the local Ray session the driver had started (never those of a cluster joined with
-``--address``).
+``--address``). A watcher the system refuses to start (twice) leaves the driver training unwatched, with a
+warning.
 
 The head watch is for a driver that cannot report a lost head itself: found on a multi-host cluster, a
 driver on the head whose Ray was killed stayed blocked inside Ray until Ray ended it 60 s later, without a
@@ -41,6 +42,8 @@ REASON = ("the dpgs train process ended without closing its MLflow run (killed, 
           "by Ray when its raylet or GCS died)")
 HEAD_LOST_S = 40.0  # before Ray's own 60 s
 POLL_S = 5.0
+START_ATTEMPTS = 2
+START_RETRY_S = 0.5
 
 
 def gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
@@ -64,15 +67,35 @@ class RunWatcher:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen | None = None
+        self._failed = False  # the watcher could not be started: the driver goes on unwatched
         self._lock = threading.Lock()
 
-    def _send(self, line: str) -> None:
-        with self._lock:
-            if self._proc is None:
+    def _start(self) -> None:
+        """Start the watcher; when the system refuses (seen once on the lab: ``[Errno 14] Bad address``
+        from the exec of Python), try once more, then warn and let the driver train unwatched: a run
+        without its safety net is better than no run."""
+        for attempt in range(START_ATTEMPTS):
+            try:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "dpgs.runwatch"], stdin=subprocess.PIPE, text=True,
                     start_new_session=True,  # a Ctrl-C or a kill of the driver's process group spares it
                 )
+                return
+            except OSError as err:
+                if attempt + 1 < START_ATTEMPTS:
+                    time.sleep(START_RETRY_S)
+                    continue
+                self._failed = True
+                print(f"dpgs train: warning: the run watcher could not start ({err}); training goes on, but "
+                      "if this process is killed its MLflow runs stay RUNNING and a local Ray it started "
+                      "stays up", file=sys.stderr, flush=True)
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None and not self._failed:
+                self._start()
+            if self._proc is None:
+                return
             try:
                 self._proc.stdin.write(line + "\n")
                 self._proc.stdin.flush()

@@ -154,3 +154,58 @@ def test_the_head_watch_stays_quiet_when_stopped_or_when_the_head_answers():
     time.sleep(1.0)
     server.close()
     assert said == []
+
+
+def test_a_watcher_the_system_refuses_to_start_warns_once_and_the_driver_goes_on(monkeypatch, capsys):
+    """Seen once on the lab: exec of Python failing with EFAULT. The driver tries twice, then warns and
+    trains unwatched; later messages neither raise nor try again."""
+    from dpgs import runwatch
+
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError(14, "Bad address", sys.executable)
+
+    monkeypatch.setattr(runwatch.subprocess, "Popen", refuse)
+    monkeypatch.setattr(runwatch, "START_RETRY_S", 0.0)
+    watcher = runwatch.RunWatcher()
+    watcher.watch_run("sqlite:///x.db", "abc")
+    watcher.watch_ray_session("session_x")
+    watcher.run_ended("abc")
+    assert len(attempts) == runwatch.START_ATTEMPTS == 2
+    err = capsys.readouterr().err
+    assert err.count("dpgs train: warning: the run watcher could not start") == 1
+    assert "Bad address" in err and "training goes on" in err
+
+
+def test_a_watcher_that_starts_at_the_second_attempt_gets_every_line(monkeypatch):
+    from dpgs import runwatch
+
+    started = []
+
+    class Pipe:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, text):
+            self.lines.append(text)
+
+        def flush(self):
+            pass
+
+    class Process:
+        def __init__(self, *args, **kwargs):
+            if not started:
+                started.append(False)
+                raise OSError(11, "Resource temporarily unavailable")
+            started.append(True)
+            self.stdin = Pipe()
+
+    monkeypatch.setattr(runwatch.subprocess, "Popen", Process)
+    monkeypatch.setattr(runwatch, "START_RETRY_S", 0.0)
+    watcher = runwatch.RunWatcher()
+    watcher.watch_run("sqlite:///x.db", "abc")
+    watcher.run_ended("abc")
+    assert started == [False, True]
+    assert watcher._proc.stdin.lines == ["run sqlite:///x.db abc\n", "ended abc\n"]
