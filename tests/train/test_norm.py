@@ -20,6 +20,15 @@ def test_l2_norm_agrees_with_a_float64_norm_of_the_whole_vector(n):
     assert l2_norm(x) == pytest.approx(reference, rel=1e-13)
 
 
+def test_l2_norm_of_several_tensors_is_the_norm_of_their_concatenation():
+    g = torch.Generator().manual_seed(1)
+    parts = [torch.randn(NORM_CHUNK + 5, generator=g), torch.randn(3, 4, generator=g), torch.empty(0),
+             torch.randn(2 * NORM_CHUNK, generator=g)]
+    reference = float(torch.linalg.vector_norm(torch.cat([p.reshape(-1) for p in parts]).double()))
+    assert l2_norm(*parts) == pytest.approx(reference, rel=1e-13)
+    assert l2_norm() == 0.0
+
+
 def test_l2_norm_keeps_float64_precision_where_a_float32_sum_would_not():
     """A million ones and one 1e4: float32 accumulation would drop the small terms' last digits."""
     x = torch.ones(1_000_000)
