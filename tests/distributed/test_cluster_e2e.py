@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +74,67 @@ def cluster(tmp_path):
         )
         yield env
     finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_cluster(str(temp), f":{port}")
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def stop_cluster(temp_dir: str, port_suffix: str, grace_s: float = 10.0) -> None:
+    """End this test's cluster: every process whose command line names its temporary directory (GCS,
+    raylets of both nodes, monitors, dashboard) or an address ending in its port (the client server), and
+    their descendants (the actors), SIGTERM then SIGKILL after ``grace_s``. Not ``ray stop``, which ends
+    every Ray process on the machine: a user's training, or a benchmark running beside the tests."""
+    parents, ours = {}, set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if any(temp_dir in arg or arg.endswith(port_suffix) for arg in argv):
+            ours.add(int(entry.name))
+    while grown := {pid for pid, ppid in parents.items() if ppid in ours} - ours:
+        ours |= grown
+    ours.discard(os.getpid())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ours:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(map(running, ours)):
+            time.sleep(0.2)
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` exists and has not ended (a zombie waits for its parent, it does not run)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stopping_the_cluster_ends_its_processes_and_no_others(tmp_path):
+    """The teardown ends what names the cluster's directory or port, with its descendants, and leaves a
+    bystander that looks like another Ray instance's raylet running."""
+    marker = str(tmp_path / "dpgs-ray-1234")
+    sleep = "import time; time.sleep(300)"
+    parent = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleep!r}]); {sleep}"
+    ours = subprocess.Popen([sys.executable, "-c", parent, f"--temp_dir={marker}"])
+    port = subprocess.Popen([sys.executable, "-c", sleep, "--address=10.0.0.1:1234"])
+    other = ["--raylet_socket_name=/tmp/ray/session_other/sockets/raylet", "--port=12345"]
+    bystander = subprocess.Popen([sys.executable, "-c", sleep, *other])
+    try:
+        time.sleep(1.0)  # the child of ``ours`` has started
+        [child] = [int(p) for p in subprocess.run(["pgrep", "-P", str(ours.pid)], capture_output=True,
+                                                  text=True).stdout.split()]
+        stop_cluster(marker, ":1234", grace_s=5.0)
+        assert not running(ours.pid) and not running(child) and not running(port.pid)
+        assert running(bystander.pid)
+    finally:
+        for proc in (ours, port, bystander):
+            proc.kill()
+            proc.wait()
 
 
 def test_dpgs_train_on_a_two_node_cluster(cluster, tmp_path):
@@ -89,6 +153,7 @@ def test_dpgs_train_on_a_two_node_cluster(cluster, tmp_path):
         f"train.output_dir={tmp_path / 'run'}",
         f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
         "dpgs.compression.keep_ratio=0.1",
+        "dpgs.compression.second_moment=live",  # compressed from the first step (frozen: a dense warm-up)
         "dpgs.compression.value_dtype=fp16",
     ]
     result = subprocess.run(cmd, env=cluster, capture_output=True, text=True, timeout=300)
