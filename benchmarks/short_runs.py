@@ -44,17 +44,19 @@ METHODS: dict[str, tuple[str, ...]] = {
     "classic": ("train.mode=classic",),
     "packed": ("train.mode=packed",),
     "dense": (*DPGS, "dpgs.compression.keep_ratio=1.0"),
-    # gradient compression, today's defaults (fp16, DGC warm-up 2 epochs, dense_min_numel 1024)
-    "keep1-grad": KEEP1,
-    "keep1-grad-warm4": (*KEEP1, "dpgs.compression.warmup_epochs=4"),
-    "keep1-grad-fp32": (*KEEP1, "dpgs.compression.value_dtype=fp32"),
-    "keep1-grad-nowarm": (*KEEP1, "dpgs.compression.warmup_epochs=0"),
+    # keep 1 % with every other default (second_moment=auto: frozen for a head, live for a trained encoder)
+    "keep1": KEEP1,
+    # gradient compression with live Adam (fp16, DGC warm-up 2 epochs, dense_min_numel 1024)
+    "keep1-grad": (*KEEP1, "dpgs.compression.second_moment=live"),
+    "keep1-grad-warm4": (*KEEP1, "dpgs.compression.second_moment=live", "dpgs.compression.warmup_epochs=4"),
+    "keep1-grad-fp32": (*KEEP1, "dpgs.compression.second_moment=live", "dpgs.compression.value_dtype=fp32"),
+    "keep1-grad-nowarm": (*KEEP1, "dpgs.compression.second_moment=live", "dpgs.compression.warmup_epochs=0"),
     # Adam's second moment frozen after the dense warm-up epochs (dpgs.train.frozen_adam)
     "keep1-frozen": (*KEEP1, "dpgs.compression.second_moment=frozen"),
     "keep1-frozen-warm1": (*KEEP1, "dpgs.compression.second_moment=frozen",
                            "dpgs.compression.warmup_epochs=1"),
-    "keep10-grad": (*DPGS, "dpgs.compression.keep_ratio=0.1"),
-    "keep30-grad": (*DPGS, "dpgs.compression.keep_ratio=0.3"),
+    "keep10-grad": (*DPGS, "dpgs.compression.keep_ratio=0.1", "dpgs.compression.second_moment=live"),
+    "keep30-grad": (*DPGS, "dpgs.compression.keep_ratio=0.3", "dpgs.compression.second_moment=live"),
     "auto": (*DPGS, "dpgs.compression.keep_ratio=auto"),
     # DGC: SGD with momentum correction on the workers (and masking), plain SGD on the master
     # (train.lr 0.125 at one bag: 0.5 at B=16 with sqrt scaling, the rate of docs/convergence.md's SGD runs)

@@ -177,11 +177,15 @@ class CompressionConfig(Section):
         "relative to the RMS of their tensor (every tensor sends about its share); magnitude: the largest "
         "|g| of the whole model (DMGC, DGC)"
     )
-    second_moment: Literal["live", "frozen"] = Field(
-        "live", description="frozen: after the warm-up epochs (run dense), Adam's second moment is frozen "
+    second_moment: Literal["auto", "live", "frozen"] = Field(
+        "auto", description="frozen: after the warm-up epochs (run dense), Adam's second moment is frozen "
         "and the workers compress gradients preconditioned by it, so error feedback is exact under Adam "
         "(1-bit Adam's split; dpgs.train.frozen_adam, docs/convergence.md); live: the master's Adam takes "
-        "the compressed gradients"
+        "the compressed gradients; auto: frozen where it applies (a MIL head: feature bags or a frozen "
+        "encoder; Adam or AdamW; downlink=gradients; no clipping; warmup_epochs >= 1), else live, "
+        "resolved when the config is loaded; with keep_ratio=auto where frozen applies, it stays auto and "
+        "the run freezes at its first compressed step if every step before it was dense "
+        "(dpgs.distributed.schedule)"
     )
     second_moment_floor: float = Field(
         1.0, ge=0, description="second_moment=frozen: no coordinate's frozen sqrt(v) below this multiple of "
@@ -279,21 +283,25 @@ class Config(Section):
                 "and train.momentum=0, or unset momentum_correction"
             )
         comp = self.dpgs.compression
+        clashes = [f"{key}={value}" for key, value, bad in [
+            ("train.optimizer", self.train.optimizer, self.train.optimizer not in ("adam", "adamw")),
+            ("dpgs.compression.downlink", comp.downlink, comp.downlink != "gradients"),
+            ("train.grad_clip", self.train.grad_clip, self.train.grad_clip is not None),
+            ("dpgs.compression.clip_norm", comp.clip_norm, comp.clip_norm is not None),
+            ("dpgs.compression.warmup_epochs", comp.warmup_epochs, comp.warmup_epochs == 0),
+        ] if bad]
+        trained_encoder = model.encoder is not None and not model.freeze_encoder
+        if comp.second_moment == "auto" and (clashes or trained_encoder or comp.keep_ratio != "auto"):
+            # resolved here; left to the keep schedule only where auto chooses the ratio (and frozen applies)
+            comp.second_moment = "live" if clashes or trained_encoder else "frozen"
         if comp.second_moment == "frozen":
-            clashes = [f"{key}={value}" for key, value, bad in [
-                ("train.optimizer", self.train.optimizer, self.train.optimizer not in ("adam", "adamw")),
-                ("dpgs.compression.downlink", comp.downlink, comp.downlink != "gradients"),
-                ("train.grad_clip", self.train.grad_clip, self.train.grad_clip is not None),
-                ("dpgs.compression.clip_norm", comp.clip_norm, comp.clip_norm is not None),
-                ("dpgs.compression.warmup_epochs", comp.warmup_epochs, comp.warmup_epochs == 0),
-            ] if bad]
             if clashes:
                 raise ValueError(
                     "dpgs.compression.second_moment=frozen freezes Adam's second moment after dense warm-up "
                     "epochs and needs train.optimizer=adam|adamw, dpgs.compression.downlink=gradients, no "
                     "gradient clipping and dpgs.compression.warmup_epochs >= 1; got " + ", ".join(clashes)
                 )
-            if model.encoder is not None and not model.freeze_encoder:
+            if trained_encoder:
                 raise ValueError(
                     f"dpgs.compression.second_moment=frozen with model.encoder={model.encoder} trained end "
                     "to end (model.freeze_encoder=false): a frozen second moment let a trained ResNet-18's "

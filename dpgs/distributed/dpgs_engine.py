@@ -184,6 +184,8 @@ class DpgsEngine:
         figures = {}
         if self.keep.auto and todo:
             todo, figures = self._choose_keep_ratio(todo, plans, epoch)
+        if todo:
+            todo = self._second_moment(todo, epoch)
         for chunk in self._chunks(todo):
             self._run_chunk(chunk, plans, epoch, history, reports)
         if self.validation is not None and len(reports.scored) == len(self.group.workers):
@@ -260,6 +262,18 @@ class DpgsEngine:
         figures = {**decision.metrics(), **link_figures, "auto_links_probed": float(probed)}
         return [replace(p, keep_ratio=ratio) for p in todo], figures
 
+    def _second_moment(self, todo: list[StepPlan], epoch: int) -> list[StepPlan]:
+        """The epoch's steps marked with whether they freeze Adam's second moment (``KeepSchedule``); the
+        decision of ``second_moment=auto`` is printed when it is taken."""
+        undecided = self.keep.freezes is None
+        frozen = self.keep.second_moment_frozen(epoch, todo[0].keep_ratio)
+        if undecided and self.keep.freezes is not None:
+            why = ("every step before it was dense" if frozen else
+                   "the fold's first epoch is compressed: Adam's second moment never settled on dense steps")
+            print(f"[dpgs] epoch {epoch}: second_moment=auto: {'frozen' if frozen else 'live'} ({why})",
+                  flush=True)
+        return [replace(p, frozen_second_moment=frozen) for p in todo]
+
     def _measured(self, reports: ChunkReports, steps: list[StepPlan]) -> None:
         """Remember the epoch's compute per step, its step costs per keep ratio and, from its compressed
         steps, the payload bytes per sent entry (the next decision's inputs)."""
@@ -285,6 +299,7 @@ class DpgsEngine:
             "history": history,
             "worker_restarts": self.restarts,
             "keep_ratio": self.keep.steady,
+            "second_moment_freezes": self.keep.freezes,
             "seed": self.config.seed,
             "config": config_to_dict(self.config),  # what a resume compares its own config with
         }
@@ -314,6 +329,7 @@ class DpgsEngine:
         self.skip_steps = int(driver["step_in_epoch"])
         self.restarts_before = self.group.restarts - int(driver.get("worker_restarts", 0))
         self.keep.steady = float(driver.get("keep_ratio", self.keep.steady))
+        self.keep.freezes = driver.get("second_moment_freezes")
         return driver
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:

@@ -22,7 +22,9 @@ class StepPlan:
 
     ``bags[w][m]`` are the bag indices of micro-batch ``m`` for worker ``w`` (one packed forward/backward
     each; ``train.accumulation_steps`` micro-batches per step). The gradient of the step is the mean over
-    all ``n_bags`` bags of the per-bag loss gradients.
+    all ``n_bags`` bags of the per-bag loss gradients. ``frozen_second_moment``: Adam's second moment is
+    frozen from this step on if it is compressed (every rank freezes at the same step;
+    ``dpgs.distributed.schedule.KeepSchedule.second_moment_frozen``).
     """
 
     index: int
@@ -31,6 +33,7 @@ class StepPlan:
     bags: tuple[tuple[tuple[int, ...], ...], ...]
     lr: float
     keep_ratio: float
+    frozen_second_moment: bool = False
 
     @property
     def n_bags(self) -> int:

@@ -32,6 +32,12 @@
   the validation target in one epoch, the 25 % warm-up in three, at a dense exchange of 1.4x the compute).
   With ``second_moment=frozen`` the W epochs always run dense, fixed ratio or auto: Adam's second moment
   is frozen at the first compressed step, and it must have settled on dense gradients.
+* ``second_moment=auto`` with ``keep_ratio=auto`` (where the config leaves it unresolved: a MIL head and
+  Adam, ``dpgs.config.schema``) does not make the warm-up dense: it freezes the second moment at the fold's
+  first compressed epoch when that is not its first epoch, so that every step before it was dense (auto's
+  dense warm-up, or dense epochs before the link made auto compress), and keeps live Adam when the fold's
+  first epoch is already compressed (a link on which a dense warm-up costs more than
+  ``auto_warmup_share`` times the compute). :meth:`KeepSchedule.second_moment_frozen` decides, once a fold.
 
 The driver writes the ratio into each :class:`~dpgs.distributed.messages.StepPlan`; the uplink and
 downlink codecs take it as an argument.
@@ -246,6 +252,19 @@ class KeepSchedule:
         self.steady = min(cfg.auto_ratios) if self.auto else float(cfg.keep_ratio)
         self.warmup_dense = False
         self.costs = StepCosts()
+        # second_moment=auto: None until the fold's first compressed epoch, then whether it froze
+        self.freezes: bool | None = None
+
+    def second_moment_frozen(self, epoch: int, ratio: float) -> bool:
+        """Whether the steps of ``epoch``, run at ``ratio``, freeze (or keep frozen) Adam's second moment
+        (:attr:`dpgs.distributed.messages.StepPlan.frozen_second_moment`): always with
+        ``second_moment=frozen``, never with ``live``; with ``auto``, decided at the fold's first compressed
+        epoch (module docstring) and kept for the rest of the fold."""
+        if self.cfg.second_moment != "auto":
+            return self.cfg.second_moment == "frozen"
+        if self.freezes is None and ratio < 1.0:
+            self.freezes = epoch > 1  # the first compressed epoch: every epoch before it ran dense
+        return bool(self.freezes)
 
     def rehearsal_ratios(self) -> tuple[float, ...]:
         """The compressed ratio whose codec auto's first decision times: its cheapest choice (the others are

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dpgs.config import ConfigError, load_config
+from dpgs.config import Config, ConfigError, config_to_dict, load_config
 
 
 @pytest.mark.parametrize("optimizer, momentum", [("adam", 0.0), ("adamw", 0.0), ("sgd", 0.9)])
@@ -37,6 +37,40 @@ def test_a_frozen_second_moment_is_refused_for_a_trained_tile_encoder():
         load_config(None, tiles)
     assert "model.encoder=resnet18 trained end to end" in str(err.value)
     assert load_config(None, [*tiles, "model.freeze_encoder=true"]).model.freeze_encoder
+
+
+FIXED = "dpgs.compression.keep_ratio=0.01"
+
+
+def second_moment(*overrides: str) -> str:
+    return load_config(None, list(overrides)).dpgs.compression.second_moment
+
+
+def test_second_moment_auto_is_frozen_for_a_head_and_live_for_a_trained_encoder():
+    """With a fixed keep ratio auto resolves when the config is loaded: frozen wherever frozen is allowed,
+    live elsewhere. With keep_ratio=auto it is left to the keep schedule, for a head only."""
+    assert second_moment(FIXED) == "frozen"  # feature bags, Adam
+    assert second_moment(FIXED, "train.optimizer=adamw") == "frozen"
+    tiles = ["data.kind=tiles", "model.encoder=resnet18"]
+    assert second_moment(FIXED, *tiles) == "live"
+    assert second_moment(FIXED, *tiles, "model.freeze_encoder=true") == "frozen"
+    assert second_moment() == "auto"  # keep_ratio=auto
+    assert second_moment(*tiles) == "live"
+
+
+@pytest.mark.parametrize("override", ["train.optimizer=sgd", "dpgs.compression.downlink=delta",
+                                      "train.grad_clip=1.0", "dpgs.compression.clip_norm=1.0",
+                                      "dpgs.compression.warmup_epochs=0"])
+def test_second_moment_auto_is_live_where_frozen_would_be_refused(override):
+    assert second_moment(FIXED, override) == second_moment(override) == "live"
+
+
+def test_an_explicit_second_moment_is_kept_and_the_resolved_one_survives_a_reload():
+    assert second_moment(FIXED, "dpgs.compression.second_moment=live") == "live"
+    assert second_moment("dpgs.compression.second_moment=live") == "live"
+    resolved = config_to_dict(load_config(None, [FIXED]))
+    assert resolved["dpgs"]["compression"]["second_moment"] == "frozen"
+    assert Config.model_validate(resolved).dpgs.compression.second_moment == "frozen"
 
 
 def test_momentum_correction_with_plain_sgd_is_accepted():

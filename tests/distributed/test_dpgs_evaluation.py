@@ -26,7 +26,8 @@ def assert_same_predictions(workers, driver):
     np.testing.assert_allclose(workers.losses, driver.losses, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("sync", [["dpgs.compression.keep_ratio=0.1"],  # workers score with their replicas
+@pytest.mark.parametrize("sync", [["dpgs.compression.keep_ratio=0.1",  # workers score with their replicas
+                                   "dpgs.compression.second_moment=live"],
                                   ["dpgs.compression.keep_ratio=0.1", "dpgs.compression.downlink=delta"]],
                          ids=["replicas", "delta-weights-sent"])
 def test_worker_evaluation_of_feature_bags_equals_the_driver(ray_cluster, tmp_path, sync):

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.ray
 LENGTHS = [1, 1000, 37, 5, 260, 2, 731, 64, 9, 120, 3, 450, 17, 88, 600, 1, 42, 300, 7, 15]
 DENSE = ["dpgs.compression.keep_ratio=1.0"]
 FROZEN = ["dpgs.compression.second_moment=frozen", "dpgs.compression.warmup_epochs=1"]  # dense epoch 1
+LIVE = "dpgs.compression.second_moment=live"  # a fixed ratio on a head is frozen by default (dense warm-up)
 # Adam's first step is lr * sign(g): see test 1's docstring; every step at train.lr, whatever its bag count
 EXACT = ["train.optimizer=sgd", "train.lr=0.5", "train.lr_scaling=none"]
 
@@ -124,7 +125,7 @@ def test_compressed_steps_keep_replicas_identical_to_the_master(ray_cluster, bag
     with Adam's second moment frozen after a dense first epoch; with downlink=delta exactly what the
     master's broadcast says they hold."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "train.lr=0.01",
-                         "dpgs.compression.keep_ratio=0.1", "dpgs.compression.value_dtype=fp16",
+                         "dpgs.compression.keep_ratio=0.1", "dpgs.compression.value_dtype=fp16", LIVE,
                          f"dpgs.compression.downlink={downlink}", f"train.grad_clip={clip or 'null'}",
                          f"dpgs.transport={transport}", *extra)
     data = experiment_data(config)
@@ -191,7 +192,7 @@ def test_restarted_worker_starts_with_an_empty_residual(ray_cluster, bags, tmp_p
     keeps its own, the restarted one's is zero until its next step, and training goes on."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
                          "dpgs.call_timeout_s=60",
-                         "dpgs.compression.keep_ratio=0.05")
+                         "dpgs.compression.keep_ratio=0.05", LIVE)
     data = experiment_data(config)
     spec, model = start(config, data)
     with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
@@ -212,7 +213,7 @@ def test_state_asked_at_an_epochs_end_is_the_groups_until_it_runs_steps(ray_clus
     ahead (they arrive during validation); what the group then answers is exactly what the ranks hold,
     and once the group runs steps again the early answers are dropped, not served stale."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
-                         "dpgs.compression.keep_ratio=0.05")
+                         "dpgs.compression.keep_ratio=0.05", LIVE)
     data = experiment_data(config)
     spec, model = start(config, data)
     with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
@@ -239,7 +240,8 @@ def test_the_master_writes_an_epochs_files_while_the_next_epoch_runs(ray_cluster
     chunk, so they hold the weights of the epoch's end (not the next epoch's) and the checkpoint resumes
     there."""
     out = tmp_path / "run"
-    config = make_config(*bags, out, "train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=0.05")
+    config = make_config(*bags, out, "train.mode=dpgs", "dpgs.workers=2", "dpgs.compression.keep_ratio=0.05",
+                         LIVE)
     out.mkdir()
     data = experiment_data(config)
     spec, model = start(config, data)
@@ -373,7 +375,7 @@ class DriverKilled(RuntimeError):
     pass
 
 
-@pytest.mark.parametrize("compression", [DENSE, ["dpgs.compression.keep_ratio=0.05"],
+@pytest.mark.parametrize("compression", [DENSE, ["dpgs.compression.keep_ratio=0.05", LIVE],
                                          ["dpgs.compression.keep_ratio=0.05", *FROZEN]],
                          ids=["dense", "keep5pct", "keep5pct-frozen"])
 def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_path, compression):
@@ -420,7 +422,7 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
     from dpgs.train import trainer
 
     overrides = ["train.mode=dpgs", "dpgs.workers=2", "data.folds=2", "data.val_fraction=0", "train.epochs=1",
-                 "train.batch_size=4", "dpgs.compression.keep_ratio=0.1"]
+                 "train.batch_size=4", "dpgs.compression.keep_ratio=0.1", LIVE]
     pids = []
     original = RankGroup.run
 
@@ -491,6 +493,33 @@ def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, long_bags, t
         same, fixed_stats, _, _ = dpgs_run(fixed, data, batches, epochs=2)
         assert [e["train_loss"] for e in stats] == [e["train_loss"] for e in fixed_stats]
         assert all(torch.equal(params[k], same[k]) for k in params)
+
+
+def test_auto_freezes_the_second_moment_after_a_dense_warm_up(ray_cluster, long_bags, tmp_path):
+    """keep_ratio=auto and second_moment=auto on a head: behind 20 Mbit/s links (a dense exchange of about
+    the compute) auto compresses (``auto_share`` 0.01); where it runs the warm-up epoch dense
+    (``auto_warmup_share`` high), every rank freezes Adam's second moment at the first compressed step,
+    and the run is bit for bit the fixed ratio's with second_moment=frozen (whose warm-up is dense too).
+    Deciding live there, or freezing a step early or late, would differ."""
+    auto = make_config(*long_bags, tmp_path / "auto", "train.mode=dpgs", "dpgs.workers=2",
+                       "dpgs.compression.warmup_epochs=1", "dpgs.compression.keep_ratio=auto",
+                       "dpgs.compression.auto_ratios=[1.0,0.1]", "dpgs.compression.auto_share=0.01",
+                       "dpgs.compression.auto_min_saving=0.01", "dpgs.compression.auto_warmup_share=1000",
+                       "dpgs.emulate_bandwidth_mbps=20")
+    assert auto.dpgs.compression.second_moment == "auto"  # left to the run: keep_ratio=auto
+    data = experiment_data(auto)
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    params, stats, replicas, master = dpgs_run(auto, data, batches, epochs=2)
+    assert [e["auto_keep_ratio"] for e in stats] == [0.1, 0.1]
+    assert stats[0]["compression_ratio"] < 1.1 < 5 < stats[1]["compression_ratio"]  # a dense warm-up epoch
+    assert all("denom" in state for state in master.optimizer["state"].values())  # FrozenAdam's
+    assert all(torch.equal(r.params, master.params) for r in replicas)
+    fixed = make_config(*long_bags, tmp_path / "fixed", "train.mode=dpgs", "dpgs.workers=2",
+                        "dpgs.compression.warmup_epochs=1", "dpgs.compression.keep_ratio=0.1",
+                        "dpgs.compression.second_moment=frozen")
+    same, fixed_stats, _, _ = dpgs_run(fixed, data, batches, epochs=2)
+    assert [e["train_loss"] for e in stats] == [e["train_loss"] for e in fixed_stats]
+    assert all(torch.equal(params[k], same[k]) for k in params)
 
 
 class SpecThatCannotImport(ModelSpec):

@@ -118,6 +118,23 @@ def test_a_frozen_second_moment_runs_the_warm_up_dense_fixed_or_auto():
     assert [auto.ratio(e) for e in (1, 2, 3)] == [1.0, 1.0, 0.01]
 
 
+def test_second_moment_auto_freezes_at_the_first_compressed_epoch_only_after_dense_ones():
+    """second_moment=auto (left unresolved by the config only with keep_ratio=auto): frozen from the fold's
+    first compressed epoch when dense epochs came before it, live when the fold's first epoch compresses;
+    decided once, and kept when auto goes back to dense (the replicas' Adam stays frozen)."""
+    after_dense = KeepSchedule(CompressionConfig(keep_ratio="auto", second_moment="auto"))
+    assert [after_dense.second_moment_frozen(e, 1.0) for e in (1, 2)] == [False, False]
+    assert after_dense.freezes is None  # undecided while every epoch is dense
+    assert [after_dense.second_moment_frozen(e, k) for e, k in ((3, 0.01), (4, 1.0), (5, 0.1))] == [True] * 3
+    compressed_first = KeepSchedule(CompressionConfig(keep_ratio="auto", second_moment="auto"))
+    assert [compressed_first.second_moment_frozen(e, k) for e, k in ((1, 0.25), (2, 1.0), (3, 0.01))] == [
+        False] * 3
+    assert compressed_first.freezes is False
+    for fixed, frozen in (("frozen", True), ("live", False)):
+        schedule = KeepSchedule(CompressionConfig(keep_ratio=0.01, second_moment=fixed))
+        assert [schedule.second_moment_frozen(e, schedule.ratio(e)) for e in (1, 2, 3)] == [frozen] * 3
+
+
 def test_auto_times_its_codec_at_its_cheapest_choice_and_plans_as_a_fixed_ratio_before_deciding():
     """Before its first decision auto's epochs are planned as its cheapest choice's, a fixed ratio's (with
     the warm-up, 25 % in the first epoch); the workers time their codec at that choice. 0.1 % is not a

@@ -22,7 +22,8 @@ from tests.distributed.wire import Wire
 
 def model_and_config(*overrides: str):
     config = load_config(None, ["train.mode=dpgs", "dpgs.workers=2", "train.optimizer=adam", "train.lr=0.01",
-                                "dpgs.compression.dense_min_numel=0", *overrides])
+                                "dpgs.compression.dense_min_numel=0",
+                                "dpgs.compression.second_moment=live", *overrides])  # compressed from step 0
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.BatchNorm1d(30), torch.nn.Linear(30, 2))
     return config, model
@@ -48,7 +49,8 @@ def run(config, model, keeps: list[float], workers: int = 2):
     master_sync.restart(master)
     ranks = [(replica(sync.worker_optimizer), pickle.loads(pickle.dumps(sync))) for _ in range(workers)]
     wire = Wire(workers)
-    plans = [StepPlan(i, 1, i, tuple(((2 * w, 2 * w + 1),) for w in range(workers)), 0.01, keep)
+    frozen = config.dpgs.compression.second_moment == "frozen"
+    plans = [StepPlan(i, 1, i, tuple(((2 * w, 2 * w + 1),) for w in range(workers)), 0.01, keep, frozen)
              for i, keep in enumerate(keeps)]
     errors = []
 

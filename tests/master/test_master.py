@@ -50,6 +50,7 @@ class ScriptedChannel:
 
 def master_and_bodies(keep: float):
     config = load_config(None, ["train.mode=dpgs", "dpgs.workers=2", f"dpgs.compression.keep_ratio={keep}",
+                                "dpgs.compression.second_moment=live",  # compressed from step 0
                                 "model.params={dropout: 0.0}"])
     spec = ModelSpec(config.model, 8, 2)
     torch.manual_seed(0)

@@ -107,9 +107,10 @@ def test_resume_refuses_run_changing_keys_naming_each_and_writes_nothing(bags, t
     with pytest.raises(ResumeError) as err:
         train_splits(new, NoEngineSession())
     text = str(err.value)
-    assert "changes the run in 5 key(s)" in text
+    assert "changes the run in 6 key(s)" in text  # a fixed ratio on a head also resolves second_moment
     for line in ('model.name: "abmil" -> "meanmil"', "train.batch_size: 4 -> 8", "train.lr: 0.01 -> 0.001",
-                 "seed: 0 -> 1", "dpgs.compression.keep_ratio: \"auto\" -> 0.5"):
+                 "seed: 0 -> 1", "dpgs.compression.keep_ratio: \"auto\" -> 0.5",
+                 'dpgs.compression.second_moment: "auto" -> "frozen"'):
         assert f"  {line}\n" in text + "\n", line
     assert err.value.exit_code == 2
     assert (out / "config.yaml").read_bytes() == config_before  # the original run's config is intact

@@ -22,7 +22,8 @@ from tests.dpgs_helpers import experiment_data, make_config, write_bags
 def setup(tmp_path_factory):
     bags = write_bags(tmp_path_factory.mktemp("bags"), [3, 8, 5, 2, 7, 4, 6, 9, 3, 5])
     config = make_config(*bags, tmp_path_factory.mktemp("run") / "out", "train.mode=dpgs", "dpgs.workers=1",
-                         "dpgs.compression.keep_ratio=0.1")
+                         "dpgs.compression.keep_ratio=0.1",
+                         "dpgs.compression.second_moment=live")  # compressed from step 0
     data = experiment_data(config)
     spec = ModelSpec(config.model, data.dataset.feature_dim, len(data.manifest.classes))
     return config, data, spec

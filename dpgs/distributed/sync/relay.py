@@ -11,7 +11,8 @@ order, divides by the step's bag count B and takes the same optimizer step
 (``dpgs.train.optim.optimizer_step``; the same thread count on every rank keeps it bit for bit), so the
 workers hold exactly the master's weights and optimizer state after every step, compressed or not.
 
-With ``second_moment=frozen`` every rank freezes its Adam's second moment at the first compressed step
+Where the step plans say so (``StepPlan.frozen_second_moment``: ``second_moment=frozen``, or ``auto``
+after dense steps) every rank freezes its Adam's second moment at the first compressed step
 (:class:`dpgs.train.frozen_adam.FrozenAdam`); from then on the workers send ``g_w / d`` through the
 error-feedback codec (its residual is empty at the switch: every step before it was dense) and the same
 sum, divided by B, is the frozen optimizer's input.
@@ -60,13 +61,12 @@ class RelaySync:
     def __init__(self, compression: CompressionConfig, train: TrainConfig, layout: ParamLayout):
         self.grad_clip = train.grad_clip
         self.uplink = Uplink(compression, layout)
-        self.freezes = compression.second_moment == "frozen"
         self.floor = compression.second_moment_floor
 
     def _freeze_at(self, step: StepPlan, replica: Replica) -> None:
-        """``second_moment=frozen``: every rank freezes its Adam at the first compressed step (the same step,
-        the same state: the same FrozenAdam)."""
-        if self.freezes and step.keep_ratio < 1.0:
+        """Every rank freezes its Adam at the first compressed step whose plan says
+        ``frozen_second_moment`` (the same step, the same state: the same FrozenAdam)."""
+        if step.frozen_second_moment and step.keep_ratio < 1.0:
             replica.freeze_second_moment(self.floor)
 
     # ---------------------------------------------------------------- worker
