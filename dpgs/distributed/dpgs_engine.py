@@ -198,6 +198,7 @@ class DpgsEngine:
         metrics = epoch_metrics(reports, len(self.group.workers))
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["worker_restarts"] = float(self.restarts)
+        metrics["second_moment_frozen"] = float(self.keep.frozen_since is not None)  # Adam's v, this epoch
         return {**metrics, **figures}
 
     def _run_chunk(self, chunk: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
@@ -300,6 +301,7 @@ class DpgsEngine:
             "worker_restarts": self.restarts,
             "keep_ratio": self.keep.steady,
             "second_moment_freezes": self.keep.freezes,
+            "second_moment_frozen_since": self.keep.frozen_since,
             "seed": self.config.seed,
             "config": config_to_dict(self.config),  # what a resume compares its own config with
         }
@@ -330,6 +332,7 @@ class DpgsEngine:
         self.restarts_before = self.group.restarts - int(driver.get("worker_restarts", 0))
         self.keep.steady = float(driver.get("keep_ratio", self.keep.steady))
         self.keep.freezes = driver.get("second_moment_freezes")
+        self.keep.frozen_since = driver.get("second_moment_frozen_since")
         return driver
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:

@@ -254,17 +254,23 @@ class KeepSchedule:
         self.costs = StepCosts()
         # second_moment=auto: None until the fold's first compressed epoch, then whether it froze
         self.freezes: bool | None = None
+        self.frozen_since: int | None = None  # the fold's epoch whose steps froze the second moment
 
     def second_moment_frozen(self, epoch: int, ratio: float) -> bool:
         """Whether the steps of ``epoch``, run at ``ratio``, freeze (or keep frozen) Adam's second moment
         (:attr:`dpgs.distributed.messages.StepPlan.frozen_second_moment`): always with
         ``second_moment=frozen``, never with ``live``; with ``auto``, decided at the fold's first compressed
-        epoch (module docstring) and kept for the rest of the fold."""
+        epoch (module docstring) and kept for the rest of the fold. The first epoch that freezes is
+        :attr:`frozen_since`."""
         if self.cfg.second_moment != "auto":
-            return self.cfg.second_moment == "frozen"
-        if self.freezes is None and ratio < 1.0:
-            self.freezes = epoch > 1  # the first compressed epoch: every epoch before it ran dense
-        return bool(self.freezes)
+            frozen = self.cfg.second_moment == "frozen"
+        else:
+            if self.freezes is None and ratio < 1.0:
+                self.freezes = epoch > 1  # the first compressed epoch: every epoch before it ran dense
+            frozen = bool(self.freezes)
+        if frozen and ratio < 1.0 and self.frozen_since is None:
+            self.frozen_since = epoch
+        return frozen
 
     def rehearsal_ratios(self) -> tuple[float, ...]:
         """The compressed ratio whose codec auto's first decision times: its cheapest choice (the others are

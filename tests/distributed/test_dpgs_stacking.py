@@ -512,6 +512,7 @@ def test_auto_freezes_the_second_moment_after_a_dense_warm_up(ray_cluster, long_
     params, stats, replicas, master = dpgs_run(auto, data, batches, epochs=2)
     assert [e["auto_keep_ratio"] for e in stats] == [0.1, 0.1]
     assert stats[0]["compression_ratio"] < 1.1 < 5 < stats[1]["compression_ratio"]  # a dense warm-up epoch
+    assert [e["second_moment_frozen"] for e in stats] == [0.0, 1.0]  # logged with the epoch's metrics
     assert all("denom" in state for state in master.optimizer["state"].values())  # FrozenAdam's
     assert all(torch.equal(r.params, master.params) for r in replicas)
     fixed = make_config(*long_bags, tmp_path / "fixed", "train.mode=dpgs", "dpgs.workers=2",

@@ -126,13 +126,15 @@ def test_second_moment_auto_freezes_at_the_first_compressed_epoch_only_after_den
     assert [after_dense.second_moment_frozen(e, 1.0) for e in (1, 2)] == [False, False]
     assert after_dense.freezes is None  # undecided while every epoch is dense
     assert [after_dense.second_moment_frozen(e, k) for e, k in ((3, 0.01), (4, 1.0), (5, 0.1))] == [True] * 3
+    assert after_dense.frozen_since == 3
     compressed_first = KeepSchedule(CompressionConfig(keep_ratio="auto", second_moment="auto"))
     assert [compressed_first.second_moment_frozen(e, k) for e, k in ((1, 0.25), (2, 1.0), (3, 0.01))] == [
         False] * 3
-    assert compressed_first.freezes is False
-    for fixed, frozen in (("frozen", True), ("live", False)):
+    assert compressed_first.freezes is False and compressed_first.frozen_since is None
+    for fixed, frozen, since in (("frozen", True, 3), ("live", False, None)):
         schedule = KeepSchedule(CompressionConfig(keep_ratio=0.01, second_moment=fixed))
         assert [schedule.second_moment_frozen(e, schedule.ratio(e)) for e in (1, 2, 3)] == [frozen] * 3
+        assert schedule.frozen_since == since  # frozen: the warm-up epochs 1-2 ran dense
 
 
 def test_auto_times_its_codec_at_its_cheapest_choice_and_plans_as_a_fixed_ratio_before_deciding():
