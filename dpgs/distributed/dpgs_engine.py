@@ -300,8 +300,7 @@ class DpgsEngine:
             "history": history,
             "worker_restarts": self.restarts,
             "keep_ratio": self.keep.steady,
-            "second_moment_freezes": self.keep.freezes,
-            "second_moment_frozen_since": self.keep.frozen_since,
+            "first_compressed_epoch": self.keep.first_compressed,  # the second moment's freeze follows
             "seed": self.config.seed,
             "config": config_to_dict(self.config),  # what a resume compares its own config with
         }
@@ -331,8 +330,7 @@ class DpgsEngine:
         self.skip_steps = int(driver["step_in_epoch"])
         self.restarts_before = self.group.restarts - int(driver.get("worker_restarts", 0))
         self.keep.steady = float(driver.get("keep_ratio", self.keep.steady))
-        self.keep.freezes = driver.get("second_moment_freezes")
-        self.keep.frozen_since = driver.get("second_moment_frozen_since")
+        self.keep.first_compressed = driver.get("first_compressed_epoch")
         return driver
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:

@@ -252,25 +252,32 @@ class KeepSchedule:
         self.steady = min(cfg.auto_ratios) if self.auto else float(cfg.keep_ratio)
         self.warmup_dense = False
         self.costs = StepCosts()
-        # second_moment=auto: None until the fold's first compressed epoch, then whether it froze
-        self.freezes: bool | None = None
-        self.frozen_since: int | None = None  # the fold's epoch whose steps froze the second moment
+        self.first_compressed: int | None = None  # the fold's first compressed epoch (checkpointed)
+
+    @property
+    def freezes(self) -> bool | None:
+        """None until the fold's first compressed epoch, then whether its steps froze Adam's second moment
+        (``auto``: if every epoch before it ran dense)."""
+        if self.first_compressed is None:
+            return None
+        mode = self.cfg.second_moment
+        return mode == "frozen" or (mode == "auto" and self.first_compressed > 1)  # auto: after dense epochs
+
+    @property
+    def frozen_since(self) -> int | None:
+        """The fold's epoch whose steps froze Adam's second moment, or None."""
+        return self.first_compressed if self.freezes else None
 
     def second_moment_frozen(self, epoch: int, ratio: float) -> bool:
         """Whether the steps of ``epoch``, run at ``ratio``, freeze (or keep frozen) Adam's second moment
         (:attr:`dpgs.distributed.messages.StepPlan.frozen_second_moment`): always with
         ``second_moment=frozen``, never with ``live``; with ``auto``, decided at the fold's first compressed
-        epoch (module docstring) and kept for the rest of the fold. The first epoch that freezes is
-        :attr:`frozen_since`."""
-        if self.cfg.second_moment != "auto":
-            frozen = self.cfg.second_moment == "frozen"
-        else:
-            if self.freezes is None and ratio < 1.0:
-                self.freezes = epoch > 1  # the first compressed epoch: every epoch before it ran dense
-            frozen = bool(self.freezes)
-        if frozen and ratio < 1.0 and self.frozen_since is None:
-            self.frozen_since = epoch
-        return frozen
+        epoch (module docstring) and kept for the rest of the fold."""
+        if ratio < 1.0 and self.first_compressed is None:
+            self.first_compressed = epoch
+        if self.cfg.second_moment == "auto":
+            return bool(self.freezes)
+        return self.cfg.second_moment == "frozen"
 
     def rehearsal_ratios(self) -> tuple[float, ...]:
         """The compressed ratio whose codec auto's first decision times: its cheapest choice (the others are
