@@ -85,9 +85,7 @@ class Worker(ABC):
     :meth:`on_weights_changed` and :meth:`step_buffers` are there for workers that compute elsewhere than
     in their replica (``GroupWorker``)."""
 
-    def __init__(
-        self, worker: int, model_spec, dataset, config: Config, device: str = "cpu", threads: int = 1
-    ):
+    def __init__(self, worker: int, model_spec, config: Config, device: str = "cpu", threads: int = 1):
         torch.set_num_threads(threads)
         self.worker = worker
         self.rank = worker_rank(worker)
@@ -98,7 +96,7 @@ class Worker(ABC):
         self.model = self.build_model(model_spec)
         self.replica = Replica(self.model, config.train)
         self.sync: StepSync | None = None  # the fold's (FoldStart.sync)
-        self.reader = BagReader(dataset)
+        self.reader: BagReader | None = None  # :meth:`read_from`
         self.class_weights: torch.Tensor | None = None
         self.channel: Channel | None = None
         self.pending: Pending | None = None
@@ -130,6 +128,12 @@ class Worker(ABC):
         return self.replica.flat_buffers()
 
     # ---------------------------------------------------------------- control (driver)
+    def read_from(self, dataset) -> None:
+        """The bags this worker reads: the run's dataset, given by the driver once the actor has started and
+        again after each restart (``dpgs.distributed.actors.StartCall``: a large constructor argument would
+        not survive a restart on another node)."""
+        self.reader = BagReader(dataset)
+
     def ping(self) -> int:
         """Process id (to detect restarts, and for fault-injection tests)."""
         return os.getpid()

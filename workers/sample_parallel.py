@@ -155,7 +155,6 @@ class GroupWorker(Worker):
         self,
         worker: int,
         model_spec,
-        dataset,
         config: Config,
         device: str = "cpu",
         threads: int = 1,
@@ -168,7 +167,7 @@ class GroupWorker(Worker):
         rank_threads: int = 1,
         name: str = "",
     ):
-        super().__init__(worker, model_spec, dataset, config, device=device, threads=threads)
+        super().__init__(worker, model_spec, config, device=device, threads=threads)
         self.spec = spatial_spec(model_spec, config.seed)
         check_layout(self.model, self.spec)
         self.rank_device = rank_device

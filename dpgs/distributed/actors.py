@@ -1,5 +1,6 @@
-"""Actor lifecycle: start a set of actors of one class with their resources and placement, wait on them
-with one deadline, wait for Ray to restart one, and release everything.
+"""Actor lifecycle: start a set of actors of one class with their resources and placement, hand each a
+large object after it starts (:class:`StartCall`), wait on them with one deadline, wait for Ray to restart
+one (and hand it that object again), and release everything.
 
 Used by the DPGS driver for its workers and by a sample-parallel group for its ranks. Placed actors get
 one placement-group bundle each (spread over the nodes), so a set starts only when all of it fits; when it
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray._raylet import PlacementGroupID
@@ -41,6 +43,22 @@ class Bundle:
 
     def resources(self) -> dict[str, float]:
         return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus > 0 else {})}
+
+
+@dataclass(frozen=True)
+class StartCall:
+    """``actor.<method>(value)``: called on every actor of a :class:`PlacedActors` right after it starts and
+    again after each Ray restart of it, with one ``value`` for all (put in the object store once and held
+    by the set until it closes).
+
+    What an actor needs that is large (a dataset's index of bags) goes this way, not as a constructor
+    argument: Ray puts a constructor argument over 100 kB in the object store itself and does not keep it
+    for the actor's restarts, so an actor restarted after its node was drained fails in its constructor with
+    ``ReferenceCountingAssertionError`` (ray-project/ray#53727; Ray also logs an error line for every actor
+    with restarts that has one). An object this set holds is still there."""
+
+    method: str
+    value: Any
 
 
 def reserve(
@@ -126,13 +144,16 @@ class PlacedActors:
     Each reserves ``bundle``; ``placed``: in its own bundle of a spread placement group (named ``name``),
     else wherever Ray puts it (an actor that places its own sub-actors reserves no CPU). ``max_restarts``:
     how often Ray restarts a dead actor (its tasks are never retried automatically); ``timeout_s``: the
-    deadline of every wait.
+    deadline of every wait; ``start_call``: made on each actor once it started (the constructor returns
+    when every actor has taken it) and after each restart (:meth:`await_restart`).
     """
 
     def __init__(self, cls: type, count: int, args_of: Callable[[int], tuple], *, bundle: Bundle,
                  placed: bool, max_restarts: int, timeout_s: float, name: str = "",
-                 kwargs_of: Callable[[int], dict] | None = None):
+                 kwargs_of: Callable[[int], dict] | None = None, start_call: StartCall | None = None):
         self.timeout_s = timeout_s
+        self.start_call = start_call
+        self.start_value = None if start_call is None else ray.put(start_call.value)
         self.placement = reserve(count, bundle, timeout_s=min(timeout_s, PLACEMENT_TIMEOUT_S), name=name) \
             if placed else None
         remote = ray.remote(cls)
@@ -146,6 +167,15 @@ class PlacedActors:
                 )
             kwargs = kwargs_of(i) if kwargs_of is not None else {}
             self.handles.append(remote.options(**options).remote(*args_of(i), **kwargs))
+        if start_call is not None:
+            try:
+                self.get([self._start_call(h) for h in self.handles])
+            except BaseException:  # actors that could not start or take the call: leave nothing behind
+                self.close()
+                raise
+
+    def _start_call(self, handle) -> ray.ObjectRef:
+        return getattr(handle, self.start_call.method).remote(self.start_value)
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -158,12 +188,15 @@ class PlacedActors:
         return get_all(refs, self.timeout_s if timeout_s is None else timeout_s, "actors")
 
     def await_restart(self, index: int) -> None:
-        """Wait until Ray has restarted actor ``index`` (it answers ``ping``); ClusterError past the
-        timeout."""
+        """Wait until Ray has restarted actor ``index`` (it answers ``ping``) and make the start call on it;
+        ClusterError past the timeout."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                ray.get(self.handles[index].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                handle = self.handles[index]
+                ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                if self.start_call is not None:
+                    ray.get(self._start_call(handle), timeout=max(1.0, deadline - time.monotonic()))
                 return
             except (RayActorError, GetTimeoutError) as err:
                 if time.monotonic() > deadline:
@@ -181,3 +214,4 @@ class PlacedActors:
         if self.placement is not None:
             remove_placement_group(self.placement)
             self.placement = None
+        self.start_value = None

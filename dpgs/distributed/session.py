@@ -7,7 +7,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from dpgs.config import Config
-from dpgs.distributed.actors import Bundle, PlacedActors, release_named
+from dpgs.distributed.actors import Bundle, PlacedActors, StartCall, release_named
 from dpgs.distributed.dpgs_engine import DpgsEngine
 from dpgs.distributed.failures import ray_failures
 from dpgs.distributed.rank_group import RankGroup
@@ -18,22 +18,26 @@ from dpgs.train.engine import FoldSetup
 
 
 def start_workers(roles: Roles, config: Config, spec, dataset, launch: WorkerLaunch) -> PlacedActors:
-    """The P worker actors of ``roles.worker`` started as ``launch`` says (printing where each runs)."""
+    """The P worker actors of ``roles.worker`` started as ``launch`` says, each given ``dataset`` (by
+    ``Worker.read_from``, again after a restart: :class:`StartCall`); prints where each runs."""
     cfg = config.dpgs
-    workers = PlacedActors(
-        roles.worker,
-        cfg.workers,
-        lambda w: (w, spec, dataset, config, launch.device, launch.threads),
-        bundle=Bundle(launch.cpus, launch.gpus),
-        placed=launch.placed,
-        max_restarts=cfg.max_worker_restarts,
-        timeout_s=cfg.call_timeout_s,
-        kwargs_of=lambda w: launch.kwargs[w] if launch.kwargs else {},
-    )
+    workers = None
     try:
+        workers = PlacedActors(
+            roles.worker,
+            cfg.workers,
+            lambda w: (w, spec, config, launch.device, launch.threads),
+            bundle=Bundle(launch.cpus, launch.gpus),
+            placed=launch.placed,
+            max_restarts=cfg.max_worker_restarts,
+            timeout_s=cfg.call_timeout_s,
+            kwargs_of=lambda w: launch.kwargs[w] if launch.kwargs else {},
+            start_call=StartCall("read_from", dataset),
+        )
         where = workers.get(workers.call("where"))
     except BaseException:  # workers that could not start: leave nothing behind
-        workers.close()
+        if workers is not None:
+            workers.close()
         if launch.reservation_prefix:
             release_named(launch.reservation_prefix)
         raise

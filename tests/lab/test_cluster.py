@@ -3,10 +3,10 @@
 The tests run in file order on one lab and one cluster: ``ray up`` from the client host, ``dpgs train
 --address auto`` on the head (DPGS, P=2, one worker actor per worker host, token auth on, MLflow run
 FINISHED), ``dpgs compare``, then the faults (a worker host's link cut mid-epoch, 5 % packet loss, a
-straggler link, a worker host's Ray killed, the head's Ray killed and the run resumed after ``ray up``),
-each compared with a clean run of the same exact config (dense float32 gradients, SGD: recovery must
-give the same weights), and ``ray down`` last. ``make cluster-test`` (tests/lab/cluster_test.py) runs
-them; what they measure goes to docs/reliability.md.
+straggler link, a worker host's Ray killed, a worker host drained, the head's Ray killed and the run
+resumed after ``ray up``), each compared with a clean run of the same exact config (dense float32
+gradients, SGD: recovery must give the same weights), and ``ray down`` last. ``make cluster-test``
+(tests/lab/cluster_test.py) runs them; what they measure goes to docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -319,6 +319,23 @@ def test_fault_worker_host_ray_killed(lab, user, healthy, clean, results):
     ensure_cluster(lab, user, results, "worker_ray_killed")
     outcome["worker1_back_in_cluster_s"] = round(time.monotonic() - start, 1)
     results.record("fault_worker_ray_killed", outcome)
+
+
+def test_fault_worker_host_drained(lab, user, healthy, clean, results):
+    """`ray stop` on worker1 in the middle of epoch 2: the host leaves the cluster gracefully (drained, as
+    an autoscaler or a preempted cloud host does), and Ray restarts its worker actor on worker2."""
+    overrides = [*EXACT, *SLOW_STEPS]
+    stream, at, stopped = strike_mid_epoch(user, "fault-worker-drained", overrides,
+                                           lambda: lab.run("worker1", "ray stop", check=False).returncode)
+    outcome = {"struck_at_s": round(at, 1), "ray_stop_exit_code": stopped,
+               **finish_or_resume(lab, user, stream, "fault-worker-drained", overrides)}
+    results.record("fault_worker_drained", outcome)  # before the checks: what happened, whatever it was
+    assert outcome["outcome"] == "finished", outcome
+    check_exact(lab, "fault-worker-drained", clean, outcome)
+    start = time.monotonic()
+    ensure_cluster(lab, user, results, "worker_drained")
+    outcome["worker1_back_in_cluster_s"] = round(time.monotonic() - start, 1)
+    results.record("fault_worker_drained", outcome)
 
 
 def test_fault_head_ray_killed_then_ray_up_and_resume(lab, user, healthy, clean, results):

@@ -90,7 +90,8 @@ def start(setup, downlink: str = "gradients"):
     torch.manual_seed(0)
     model = spec.build()
     dataset = CountingDataset(data.dataset)
-    worker = BagWorker(0, spec, dataset, config)
+    worker = BagWorker(0, spec, config)
+    worker.read_from(dataset)
     master = Master(spec, config)
     sync = build_sync(config, model)
     for rank in (master, worker):
