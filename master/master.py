@@ -122,7 +122,7 @@ class Master:
                 return result
         return result
 
-    def probe_link(self, sizes: tuple[int, ...]) -> LinkProbe:
+    def probe_link(self, sizes: tuple[int, int]) -> LinkProbe:
         """Time a probe exchange with every worker (``dpgs.distributed.link_probe``)."""
         return probe_as_master(self.channel, sizes)
 

@@ -2,7 +2,11 @@
 
 For each probe size S the master sends S bytes to every worker at once (``send_down``), every worker
 answers with S bytes as soon as it has them (``send_up``), and the master records when each answer
-arrived (``Channel.gather_up(timed=True)``). A size's round is repeated (up to ``REPEATS`` rounds, the
+arrived (``Channel.gather_up(timed=True)``). The small size goes first; the second is chosen from its
+round (:func:`second_probe_size`) so that no round takes much over ``ROUND_BUDGET_S``: the large size (the
+dense message, up to 1 MiB) on a fast link, a size in between on a slow one, and one eighth of the small
+size where even 4x the small one would take longer (a 1 MiB round took 34 s at 0.5 Mbit/s; the line
+through 8 and 64 KiB measures such a link in 2.4 s). A size's round is repeated (up to ``REPEATS`` rounds, the
 fastest kept) only while its rounds have taken less than ``REPEAT_BELOW_S`` in all: a round that short is
 mostly fixed costs, where one delayed packet or wake-up weighs; a longer one is mostly transfer, which a
 second round would only measure again at the same cost (at 100 Mbit/s the second round of a 0.65 MB probe
@@ -32,12 +36,27 @@ SMALL_PROBE = 64 << 10
 LARGE_PROBE_MAX = 1 << 20  # 16x the small one; at 100 Mbit/s a probe of two rounds took 2.8 s at 4 MiB
 REPEATS = 2
 REPEAT_BELOW_S = 0.05  # a size's rounds are repeated while they took less than this in all
+ROUND_BUDGET_S = 1.0  # the second probe's round, extrapolated from the small one's, takes at most this
 PROBE_SHARE = 0.05  # re-probing the links takes at most this share of a run's wall time
 
 
 def probe_sizes(dense_bytes: int) -> tuple[int, int]:
     """A small and a large probe: 64 KiB, and the dense message up to 1 MiB (at least 4x the small)."""
     return SMALL_PROBE, max(4 * SMALL_PROBE, min(LARGE_PROBE_MAX, dense_bytes))
+
+
+def second_probe_size(small: int, large: int, small_round_s: float) -> int:
+    """The size of the second probe, given the slowest worker's round trip of the ``small`` one.
+
+    A round of S bytes is taken to last ``small_round_s * S / small`` (an upper bound: the latency is
+    counted as if it grew with S). The second size is the largest of ``large`` and below whose round fits
+    ``ROUND_BUDGET_S``, but at least ``4 * small`` so that the two sizes are far enough apart for the
+    fit; where even ``4 * small`` would not fit, ``small // 8``: on such a link the small round is
+    nearly all transfer, and a smaller size resolves the latency as well as a larger one would."""
+    if 4 * small_round_s > ROUND_BUDGET_S:
+        return small // 8
+    fitting = int(small * ROUND_BUDGET_S / max(small_round_s, 1e-9))
+    return max(4 * small, min(large, fitting))
 
 
 @dataclass(frozen=True)
@@ -78,25 +97,33 @@ class LinkProbe:
         return out
 
 
-def probe_as_master(channel: Channel, sizes: tuple[int, ...]) -> LinkProbe:
-    """The master's side: rounds of each size, every worker at once, repeated while short (module
-    docstring); the fastest round of each worker per size. Ends the probe with an empty message."""
-    seconds = []
-    for size in sizes:
-        rounds: list[list[float]] = []
-        spent = 0.0
-        while len(rounds) < REPEATS and (not rounds or spent < REPEAT_BELOW_S):
-            start = time.perf_counter()
-            channel.send_down(torch.zeros(size, dtype=torch.uint8))
-            replies = channel.gather_up(timed=True)
-            spent += time.perf_counter() - start
-            if any(r.numel() != size for r in replies):
-                got = [r.numel() for r in replies]
-                raise RuntimeError(f"link probe: workers answered {got} bytes, not {size}")
-            rounds.append([arrived - start for arrived in channel.arrivals])
-        seconds.append(tuple(min(times) for times in zip(*rounds, strict=True)))
+def _rounds(channel: Channel, size: int) -> tuple[float, ...]:
+    """Rounds of ``size`` bytes, every worker at once, repeated while short (module docstring): each
+    worker's fastest round trip."""
+    rounds: list[list[float]] = []
+    spent = 0.0
+    while len(rounds) < REPEATS and (not rounds or spent < REPEAT_BELOW_S):
+        start = time.perf_counter()
+        channel.send_down(torch.zeros(size, dtype=torch.uint8))
+        replies = channel.gather_up(timed=True)
+        spent += time.perf_counter() - start
+        if any(r.numel() != size for r in replies):
+            got = [r.numel() for r in replies]
+            raise RuntimeError(f"link probe: workers answered {got} bytes, not {size}")
+        rounds.append([arrived - start for arrived in channel.arrivals])
+    return tuple(min(times) for times in zip(*rounds, strict=True))
+
+
+def probe_as_master(channel: Channel, sizes: tuple[int, int]) -> LinkProbe:
+    """The master's side of a probe of ``sizes = (small, large)`` (:func:`probe_sizes`): the small size,
+    then the second chosen from it (:func:`second_probe_size`). Ends the probe with an empty message."""
+    small, large = sizes
+    measured = {small: _rounds(channel, small)}
+    second = second_probe_size(small, large, max(measured[small]))
+    measured[second] = _rounds(channel, second)
     channel.send_down(torch.empty(0, dtype=torch.uint8))
-    return LinkProbe(tuple(sizes), tuple(seconds))
+    ordered = sorted(measured)
+    return LinkProbe(tuple(ordered), tuple(measured[size] for size in ordered))
 
 
 def probe_as_worker(channel: Channel) -> None:

@@ -240,8 +240,9 @@ class RankGroup:
         return self.resync()
 
     @reports_ray_failures("probing the links between the master and the workers")
-    def probe_links(self, sizes: tuple[int, ...]) -> LinkProbe:
-        """Round trips of a probe exchange between the master and every worker (between two chunks)."""
+    def probe_links(self, sizes: tuple[int, int]) -> LinkProbe:
+        """Round trips of a probe exchange between the master and every worker (between two chunks): the
+        small size of ``sizes`` and a second chosen from its round (``link_probe.probe_as_master``)."""
         refs = [self.master.probe_link.remote(sizes), *self.workers.call("probe_link")]
         return self._get(refs)[0]
 

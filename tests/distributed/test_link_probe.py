@@ -10,11 +10,13 @@ import pytest
 from dpgs.distributed.link_probe import (
     PROBE_SHARE,
     REPEAT_BELOW_S,
+    ROUND_BUDGET_S,
     LinkProbe,
     LinkWatch,
     probe_as_master,
     probe_as_worker,
     probe_sizes,
+    second_probe_size,
 )
 from dpgs.distributed.transport import EmulatedLink
 from tests.distributed.wire import Wire
@@ -79,6 +81,39 @@ def test_probe_sizes_a_small_and_at_most_a_mebibyte():
     assert probe_sizes(47_000_000) == (64 << 10, 1 << 20)
     assert probe_sizes(535_000) == (64 << 10, 535_000)
     assert probe_sizes(10_000) == (64 << 10, 256 << 10)
+
+
+def test_the_second_probe_fits_the_round_budget():
+    """A fast link gets the large probe; a slower one the size whose round fits the budget (at least 4x
+    the small one); a link where 4x the small one would not fit, one eighth of the small one."""
+    small, large = 64 << 10, 1 << 20
+    assert second_probe_size(small, large, 0.012) == large  # 100 Mbit/s: a 1 MiB round ~0.2 s
+    between = second_probe_size(small, large, 0.105)  # 10 Mbit/s: 1 MiB would take ~1.7 s
+    assert 4 * small <= between < large and between / small * 0.105 <= ROUND_BUDGET_S
+    assert second_probe_size(small, large, 0.25) == 4 * small  # 4x the small round is the budget
+    assert second_probe_size(small, large, 2.1) == small // 8  # 0.5 Mbit/s: 1 MiB would take 34 s
+
+
+def test_a_slow_link_is_probed_with_a_smaller_second_size():
+    """At 0.5 Mbit/s a 64 KiB round takes about 2.1 s: the second probe is 8 KiB (0.26 s), not 1 MiB
+    (34 s), and the fitted rate is still the link's."""
+    import time
+
+    wire = Wire(2)
+    links = [EmulatedLink(wire.worker(w), 0.5) for w in range(2)]
+    threads = [threading.Thread(target=probe_as_worker, args=(link,)) for link in links]
+    for t in threads:
+        t.start()
+    master = SentDown(wire.master())
+    start = time.perf_counter()
+    probe = probe_as_master(master, (64 << 10, 1 << 20))
+    took = time.perf_counter() - start
+    for t in threads:
+        t.join(timeout=10)
+    assert master.sizes == [64 << 10, 8 << 10, 0]
+    assert probe.sizes == (8 << 10, 64 << 10)
+    assert 8 * probe.fit(1)[1] / 1e6 == pytest.approx(0.5, rel=0.3)
+    assert took < 5.0
 
 
 def test_link_watch_reprobes_once_the_last_probe_is_a_small_share_of_the_time_since():
