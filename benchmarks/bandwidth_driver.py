@@ -98,7 +98,7 @@ class RecordingGroup(RankGroup):
         self._pause("probe")  # the chunk before must not take in the probe's first megabytes
         start = time.time()
         probe = super().probe_links(sizes)
-        RecordingGroup.probes.append({"start": start, "end": time.time(), "sizes": list(sizes),
+        RecordingGroup.probes.append({"start": start, "end": time.time(), "sizes": list(probe.sizes),
                                       "seconds": [list(s) for s in probe.seconds]})
         self._write()
         self._pause("chunk")  # the probe's last megabytes must not be smeared into the next chunk's window
