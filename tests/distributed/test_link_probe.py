@@ -4,6 +4,7 @@ emulated (``EmulatedLink``): the fitted rates are the emulated ones, and a slow 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -20,22 +21,6 @@ from dpgs.distributed.link_probe import (
 )
 from dpgs.distributed.transport import EmulatedLink
 from tests.distributed.wire import Wire
-
-
-def test_probe_measures_each_workers_emulated_link():
-    wire = Wire(2)
-    links = [EmulatedLink(wire.worker(0), 80.0), EmulatedLink(wire.worker(1), 20.0)]
-    sizes = (64 << 10, 1 << 20)
-    threads = [threading.Thread(target=probe_as_worker, args=(link,)) for link in links]
-    for t in threads:
-        t.start()
-    probe = probe_as_master(wire.master(), sizes)
-    for t in threads:
-        t.join()
-    rates = [8 * probe.fit(w)[1] / 1e6 for w in range(2)]
-    assert rates[0] == pytest.approx(80.0, rel=0.3) and rates[1] == pytest.approx(20.0, rel=0.3)
-    # the exchange of 1 MB each way waits for the slow worker: about 2 MB at 20 Mbit/s
-    assert probe.exchange_seconds(1e6, 1e6) == pytest.approx(2e6 * 8 / 20e6, rel=0.3)
 
 
 class SentDown:
@@ -56,21 +41,39 @@ class SentDown:
         return self.channel.arrivals
 
 
-def test_a_probe_repeats_only_its_short_rounds_and_ends_with_an_empty_message():
-    """At 100 Mbit/s a 64 KiB round takes about 10 ms (repeated: fixed costs weigh) and a 1 MiB round
-    about 170 ms (taken once: a second would measure the same transfer again at the same cost); the
-    workers stop answering at the empty message."""
-    wire = Wire(2)
-    links = [EmulatedLink(wire.worker(w), 100.0) for w in range(2)]
+def probe_emulated(mbps: list[float]) -> tuple[LinkProbe, list[int], float, list[threading.Thread]]:
+    """``probe_as_master`` of 64 KiB and 1 MiB over one worker thread per rate in ``mbps`` (Mbit/s,
+    ``EmulatedLink``): the probe, the sizes sent down, the seconds it took, and the worker threads
+    (joined, with a timeout)."""
+    wire = Wire(len(mbps))
+    links = [EmulatedLink(wire.worker(w), rate) for w, rate in enumerate(mbps)]
     threads = [threading.Thread(target=probe_as_worker, args=(link,)) for link in links]
     for t in threads:
         t.start()
     master = SentDown(wire.master())
+    start = time.perf_counter()
     probe = probe_as_master(master, (64 << 10, 1 << 20))
+    took = time.perf_counter() - start
     for t in threads:
         t.join(timeout=10)
+    return probe, master.sizes, took, threads
+
+
+def test_probe_measures_each_workers_emulated_link():
+    probe, _, _, _ = probe_emulated([80.0, 20.0])
+    rates = [8 * probe.fit(w)[1] / 1e6 for w in range(2)]
+    assert rates[0] == pytest.approx(80.0, rel=0.3) and rates[1] == pytest.approx(20.0, rel=0.3)
+    # the exchange of 1 MB each way waits for the slow worker: about 2 MB at 20 Mbit/s
+    assert probe.exchange_seconds(1e6, 1e6) == pytest.approx(2e6 * 8 / 20e6, rel=0.3)
+
+
+def test_a_probe_repeats_only_its_short_rounds_and_ends_with_an_empty_message():
+    """At 100 Mbit/s a 64 KiB round takes about 10 ms (repeated: fixed costs weigh) and a 1 MiB round
+    about 170 ms (taken once: a second would measure the same transfer again at the same cost); the
+    workers stop answering at the empty message."""
+    probe, sizes, _, threads = probe_emulated([100.0, 100.0])
     assert not any(t.is_alive() for t in threads)
-    assert master.sizes == [64 << 10, 64 << 10, 1 << 20, 0]
+    assert sizes == [64 << 10, 64 << 10, 1 << 20, 0]
     assert 2 * (1 << 20) * 8 / 100e6 > REPEAT_BELOW_S
     assert 8 * probe.fit(0)[1] / 1e6 == pytest.approx(100.0, rel=0.3)
 
@@ -97,20 +100,8 @@ def test_the_second_probe_fits_the_round_budget():
 def test_a_slow_link_is_probed_with_a_smaller_second_size():
     """At 0.5 Mbit/s a 64 KiB round takes about 2.1 s: the second probe is 8 KiB (0.26 s), not 1 MiB
     (34 s), and the fitted rate is still the link's."""
-    import time
-
-    wire = Wire(2)
-    links = [EmulatedLink(wire.worker(w), 0.5) for w in range(2)]
-    threads = [threading.Thread(target=probe_as_worker, args=(link,)) for link in links]
-    for t in threads:
-        t.start()
-    master = SentDown(wire.master())
-    start = time.perf_counter()
-    probe = probe_as_master(master, (64 << 10, 1 << 20))
-    took = time.perf_counter() - start
-    for t in threads:
-        t.join(timeout=10)
-    assert master.sizes == [64 << 10, 8 << 10, 0]
+    probe, sizes, took, _ = probe_emulated([0.5, 0.5])
+    assert sizes == [64 << 10, 8 << 10, 0]
     assert probe.sizes == (8 << 10, 64 << 10)
     assert 8 * probe.fit(1)[1] / 1e6 == pytest.approx(0.5, rel=0.3)
     assert took < 5.0
@@ -131,8 +122,6 @@ def test_link_watch_reprobes_once_the_last_probe_is_a_small_share_of_the_time_si
 def test_an_emulated_link_also_waits_for_the_heads_the_master_forwards():
     """``dpgs.emulate_bandwidth_mbps`` charges a worker the relayed payloads it receives, as the bytes
     they are: 100 kB forwarded at 8 Mbit/s take 0.1 s."""
-    import time
-
     import torch
 
     wire = Wire(2)
