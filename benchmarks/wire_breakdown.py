@@ -40,8 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAB_RECORDS = Path("/var/tmp/dpgslab/data/bw/records")  # the lab's data folder (tests/lab/netlab.py)
-WORKER_NS, HEAD_NS = "dpgslab-worker1", "dpgslab-head"
+sys.path.insert(0, str(ROOT))  # tests.lab.netlab
+
+from tests.lab.netlab import NAME, STATE_ROOT, host_address  # noqa: E402
+
+WORKER_HOST = "worker1"  # the host whose interface is captured
+WORKER_NS, HEAD_NS = f"{NAME}-{WORKER_HOST}", f"{NAME}-head"
+LAB_RECORDS = STATE_ROOT / NAME / "data" / "bw" / "records"  # the lab's data folder, bandwidth_sites' rows
 CLASSES = ("exchange", "calls", "ray", "other")
 SNAPLEN = 96  # Ethernet + IPv4 + TCP headers with options, never a payload byte
 
@@ -189,7 +194,7 @@ def measure(method: str, args: argparse.Namespace, folder: Path) -> dict:
                         "--repeats", "1", "--out", str(rows)], check=True)
     (row,) = [r for r in json.loads(rows.read_text()) if r["method"] == method]
     record = json.loads((folder / f"{row['row_id']}.json").read_text())
-    worker = row["worker_ips"].index("10.213.0.11")  # the first worker host's address (tests/lab/netlab.py)
+    worker = row["worker_ips"].index(host_address(WORKER_HOST))
     windows, steps, own = last_epoch(record, worker)
     classes = breakdown(read_pcap(folder / "worker1.pcap"), parse_owners(capture.owners), windows, steps)
     return {"workload": args.workload, "link": args.link, "method": method, "steps": steps,
