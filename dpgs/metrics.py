@@ -18,9 +18,11 @@ computed on each resample, and the interval is the ``(1 - level) / 2`` and ``(1 
 percentiles (``numpy.percentile``, linear interpolation) of the resampled values. Draws come from
 ``numpy.random.default_rng(seed)``, so an interval is reproducible.
 
-SciPy and scikit-learn are imported in the functions that use them: every DPGS actor imports this module
-(through ``dpgs.train.evaluate``, for scoring) and never computes a metric, and the two imports cost each
-actor process about 1 s of its start (2-core VM, 2026-11-28).
+SciPy is imported in the function that uses it: every DPGS actor imports this module (through
+``dpgs.train.evaluate``, for scoring) and never computes a metric, and SciPy's and scikit-learn's imports
+cost each actor process about 1 s of its start (2-core VM, 2026-11-28). F1, QWK and the confusion matrix
+are computed from the confusion counts here, equal to scikit-learn's (tests/test_metrics.py) without its
+argument checks, which cost ~3 ms a call: most of an epoch's validation metrics on a small set.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ def _check(y, probs) -> tuple[np.ndarray, np.ndarray]:
     probs = np.asarray(probs, dtype=np.float64)
     if y.ndim != 1 or probs.ndim != 2 or probs.shape[0] != y.shape[0]:
         raise ValueError(f"expected y [n] and probs [n, C], got {y.shape} and {probs.shape}")
+    if y.size and (y.min() < 0 or y.max() >= probs.shape[1]):
+        found = sorted(set(y.tolist()))
+        raise ValueError(f"labels must be class indices in [0, {probs.shape[1]}), got {found}")
     return y, probs
 
 
@@ -95,34 +100,51 @@ def auc_score(y, probs) -> float:
     return float(auc_rows(y[None], probs[None])[0]) if y.size else math.nan
 
 
+def confusion_counts(y: np.ndarray, pred: np.ndarray, classes: int) -> np.ndarray:
+    """[C, C] int64: bags of true class i (row) predicted as class j (column)."""
+    return np.bincount(y * classes + pred, minlength=classes * classes).reshape(classes, classes)
+
+
+def macro_f1(counts: np.ndarray) -> float:
+    """Mean over every class of ``2 TP / (2 TP + FP + FN)`` from confusion ``counts``; 0 for a class with
+    no true and no predicted bag (scikit-learn's ``f1_score(average="macro", zero_division=0)`` over all
+    the classes)."""
+    tp = np.diag(counts).astype(np.float64)
+    denominator = 2 * tp + (counts.sum(axis=0) - tp) + (counts.sum(axis=1) - tp)
+    return float(np.mean(np.where(denominator > 0, 2 * tp / np.maximum(denominator, 1), 0.0)))
+
+
+def quadratic_kappa(counts: np.ndarray) -> float:
+    """Cohen's kappa with quadratic weights from confusion ``counts``: ``1 - sum(W O) / sum(W E)``, with
+    ``W_ij = (i - j)^2``, ``O`` the counts and ``E`` the counts expected from the margins
+    (``outer(rows, columns) / n``); 1 where every label and prediction is one class (``sum(W E) = 0``
+    only there)."""
+    grades = np.arange(counts.shape[0])
+    weights = (grades[:, None] - grades[None, :]) ** 2
+    expected = np.outer(counts.sum(axis=1), counts.sum(axis=0)) / counts.sum()
+    disagreement = float((weights * expected).sum())
+    return 1.0 if disagreement == 0 else 1.0 - float((weights * counts).sum()) / disagreement
+
+
 def classification_metrics(y, probs) -> dict[str, float]:
     """Accuracy, balanced accuracy, AUC, macro F1 and QWK of argmax predictions."""
-    from sklearn.metrics import cohen_kappa_score, f1_score
-
     y, probs = _check(y, probs)
     if y.size == 0:
         return {name: math.nan for name in METRIC_NAMES}
-    pred = probs.argmax(axis=1)
-    labels = np.arange(probs.shape[1])
-    if np.array_equal(np.unique(np.concatenate([y, pred])), np.unique(y)) and np.unique(y).size == 1:
-        qwk = 1.0
-    else:
-        qwk = float(cohen_kappa_score(y, pred, labels=labels, weights="quadratic"))
+    counts = confusion_counts(y, probs.argmax(axis=1), probs.shape[1])
     return {
         "acc": float(accuracy_rows(y[None], probs[None])[0]),
         "bacc": float(balanced_accuracy_rows(y[None], probs[None])[0]),
         "auc": auc_score(y, probs),
-        "f1": float(f1_score(y, pred, labels=labels, average="macro", zero_division=0)),
-        "qwk": qwk,
+        "f1": macro_f1(counts),
+        "qwk": quadratic_kappa(counts),
     }
 
 
 def confusion(y, probs) -> np.ndarray:
-    """Confusion matrix [C, C]: rows are true classes, columns predicted classes."""
-    from sklearn.metrics import confusion_matrix
-
-    probs = np.asarray(probs)
-    return confusion_matrix(np.asarray(y), probs.argmax(axis=1), labels=np.arange(probs.shape[1]))
+    """Confusion matrix [C, C] of argmax predictions: rows are true classes, columns predicted classes."""
+    y, probs = _check(y, probs)
+    return confusion_counts(y, probs.argmax(axis=1), probs.shape[1])
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,38 @@ def test_accuracy_balanced_accuracy_and_auc_equal_sklearn(classes):
     assert m["auc"] == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("classes", [2, 3, 5])
+def test_f1_qwk_and_confusion_equal_sklearn_also_with_classes_never_predicted_or_absent(classes):
+    from sklearn.metrics import cohen_kappa_score, confusion_matrix, f1_score
+
+    rng = np.random.default_rng(10 + classes)
+    labels = np.arange(classes)
+    for n in (1, 2, 7, 40, 300):
+        for _ in range(20):
+            y = rng.integers(0, max(classes - 1, 1), n)  # the last class never a label
+            probs = random_probs(rng, n, classes)
+            probs[:, 0] *= rng.choice([1.0, 0.0])  # sometimes class 0 is never predicted
+            pred = probs.argmax(1)
+            m = classification_metrics(y, probs)
+            np.testing.assert_array_equal(confusion(y, probs), confusion_matrix(y, pred, labels=labels))
+            f1 = f1_score(y, pred, labels=labels, average="macro", zero_division=0)
+            assert m["f1"] == pytest.approx(f1)
+            if len(set(y.tolist()) | set(pred.tolist())) > 1:  # else sklearn's kappa is 0 / 0
+                kappa = cohen_kappa_score(y, pred, labels=labels, weights="quadratic")
+                assert m["qwk"] == pytest.approx(kappa)
+
+
+def test_one_class_labelled_and_predicted_is_perfect_agreement():
+    m = classification_metrics([1, 1, 1], [[0.2, 0.8], [0.4, 0.6], [0.0, 1.0]])
+    assert m["qwk"] == 1.0 and m["f1"] == 0.5  # class 0: no true and no predicted bag counts 0
+    assert m["acc"] == 1.0
+
+
+def test_labels_outside_the_classes_are_refused():
+    with pytest.raises(ValueError, match=r"labels must be class indices in \[0, 2\), got \[0, 2\]"):
+        classification_metrics([0, 2], np.eye(2))
+
+
 def test_ci_of_a_perfect_classifier_is_one_one():
     from dpgs.metrics import bootstrap_ci
 
