@@ -115,6 +115,19 @@ def test_watcher_leaves_runs_the_driver_ended_and_stores_that_are_gone(tmp_path)
     assert not gone.parent.exists()
 
 
+def test_a_watcher_with_no_run_left_ends_without_importing_mlflow():
+    """After a normal end (every run ended by the driver) the watcher has nothing to check: it must not
+    import MLflow (~1.6 s of CPU after every command, and a caller reading the command's output, whose
+    pipes the watcher holds, waited for it)."""
+    lines = ["run sqlite:////nonexistent/m.db abc123", "ended abc123"]
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "dpgs.runwatch"],
+                          input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
+    assert "dpgs" in imported  # -X importtime reports the imports
+    assert not [name for name in imported if name.startswith("mlflow")]
+
+
 def closed_address() -> str:
     import socket
 
