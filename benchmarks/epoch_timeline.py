@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _common import emit, machine_line, markdown
-from kfold_command import write_musk_like
+from kfold_command import ROWS, command_overrides, write_musk_like
 from musk_data import write_musk
 
 MASTER_CHUNK, WORKER_CHUNK = "task::Master.run_chunk", "task::BagWorker.run_chunk"
@@ -130,12 +130,8 @@ def main(argv=None) -> int:
                     else write_musk(args.data, work / "data"))
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False)
         try:
-            code = dpgs_main([
-                "train", f"data.manifest={manifest}", f"data.features_dir={manifest.parent / 'features'}",
-                f"data.folds={args.folds}", "data.val_fraction=0.2", f"train.epochs={args.epochs}",
-                "train.batch_size=8", "train.lr=1e-3", "model.name=abmil", "eval.sample_k=null",
-                f"train.output_dir={work / 'run'}", f"tracking.uri=sqlite:///{work / 'mlflow.db'}",
-                "experiment=epoch-timeline", "train.mode=dpgs", "dpgs.workers=2", *args.overrides])
+            code = dpgs_main(["train", *command_overrides(manifest, work, "run", args.folds, args.epochs),
+                              "experiment=epoch-timeline", *ROWS["auto"][1], *args.overrides])
             if code:
                 raise SystemExit(f"dpgs train failed (exit {code})")
             timeline = work / "timeline.json"

@@ -53,11 +53,18 @@ def write_musk_like(root: Path, bags: int, dim: int = 166, seed: int = 0) -> Pat
     return manifest
 
 
+def command_overrides(manifest: Path, work: Path, name: str, folds: int, epochs: int) -> list[str]:
+    """The k-fold command's ``dpgs train`` overrides (without the mode's): ABMIL, B = 8, ``folds`` x
+    ``epochs``, outputs in ``work / name``, MLflow in ``work / mlflow.db``."""
+    return [f"data.manifest={manifest}", f"data.features_dir={manifest.parent / 'features'}",
+            f"data.folds={folds}", "data.val_fraction=0.2", f"train.epochs={epochs}", "train.batch_size=8",
+            "train.lr=1e-3", "model.name=abmil", "eval.sample_k=null", f"train.output_dir={work / name}",
+            f"tracking.uri=sqlite:///{work / 'mlflow.db'}"]
+
+
 def timed_command(manifest: Path, work: Path, name: str, folds: int, epochs: int, extra: list[str]) -> dict:
-    cmd = [DPGS, "train", f"data.manifest={manifest}", f"data.features_dir={manifest.parent / 'features'}",
-           f"data.folds={folds}", "data.val_fraction=0.2", f"train.epochs={epochs}", "train.batch_size=8",
-           "train.lr=1e-3", "model.name=abmil", "eval.sample_k=null", f"train.output_dir={work / name}",
-           f"tracking.uri=sqlite:///{work / 'mlflow.db'}", "experiment=kfold-command", *extra]
+    cmd = [DPGS, "train", *command_overrides(manifest, work, name, folds, epochs), "experiment=kfold-command",
+           *extra]
     start = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
