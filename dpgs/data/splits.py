@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from sklearn.model_selection import StratifiedGroupKFold
 
 from dpgs.data.errors import DataValidationError
 from dpgs.data.manifest import SPLIT_VALUES, Manifest
@@ -168,6 +167,10 @@ def _cases_per_class(manifest: Manifest, positions) -> dict[str, int]:
 
 def _group_kfold(labels: np.ndarray, groups: np.ndarray, k: int, seed: int):
     """(train, test) position arrays of a shuffled StratifiedGroupKFold."""
+    # imported here: every DPGS worker imports this package when it unpickles its dataset, and
+    # scikit-learn (with SciPy and pandas) costs each of them ~1 s of CPU at start-up
+    from sklearn.model_selection import StratifiedGroupKFold
+
     cv = StratifiedGroupKFold(n_splits=k, shuffle=True, random_state=seed)
     return list(cv.split(np.zeros(len(labels)), labels, groups))
 

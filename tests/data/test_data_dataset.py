@@ -164,3 +164,20 @@ def test_prefetcher_stops_its_thread_on_early_exit():
     assert p._thread is None
     with pytest.raises(RuntimeError, match="only once"):
         list(p)
+
+
+def test_a_worker_unpickles_its_dataset_without_importing_scikit_learn(tmp_path):
+    """A DPGS worker gets the dataset pickled and imports ``dpgs.data`` to unpickle it: that must not pull
+    in scikit-learn, SciPy or pandas (only the driver's k-fold splits use them: ~1 s of CPU in every
+    worker at start-up)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ds.pkl").write_bytes(pickle.dumps(BagDataset(records_for(tmp_path, n=2))))
+    code = ("import pickle, sys; import dpgs.workers.bag, dpgs.master.master; "
+            f"ds = pickle.loads(open({str(tmp_path / 'ds.pkl')!r}, 'rb').read()); "
+            "print(len(ds), ds[1].features.shape[0], *sorted(m for m in ('sklearn', 'scipy', 'pandas') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "11"]
