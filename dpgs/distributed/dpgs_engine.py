@@ -26,10 +26,10 @@ from dpgs.distributed.assignment import assign_lpt, imbalance
 from dpgs.distributed.failures import MasterFailure, WorkerFailure
 from dpgs.distributed.flat import float_buffers
 from dpgs.distributed.fold import FoldStart
-from dpgs.distributed.link_probe import LinkWatch, probe_sizes
+from dpgs.distributed.link_probe import probe_sizes
 from dpgs.distributed.messages import ChunkPlan, ShardedScoring, StepPlan
 from dpgs.distributed.rank_group import ChunkReports, RankGroup
-from dpgs.distributed.schedule import ByteModel, KeepSchedule, step_compute_seconds
+from dpgs.distributed.schedule import AutoMeasurements, ByteModel, KeepSchedule, step_compute_seconds
 from dpgs.distributed.sharded_eval import evaluate_on_workers, shards_by_length
 from dpgs.distributed.sync import build_sync
 from dpgs.records import CHECKPOINT_FILE, Checkpoint
@@ -99,9 +99,10 @@ def epoch_metrics(reports: ChunkReports, workers: int) -> dict[str, float]:
 
 
 class DpgsEngine:
-    """One fold on ``group`` (see the module docstring)."""
+    """One fold on ``group`` (see the module docstring); ``measured``: what ``keep_ratio=auto`` measured in
+    the command's earlier folds (the session's, added to by this fold), or None to measure afresh."""
 
-    def __init__(self, group: RankGroup, setup: FoldSetup):
+    def __init__(self, group: RankGroup, setup: FoldSetup, measured: AutoMeasurements | None = None):
         self.group = group
         self.config = setup.config
         self.cfg = setup.config.dpgs
@@ -115,13 +116,13 @@ class DpgsEngine:
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
         self.restarts_before = group.restarts
-        self.keep = KeepSchedule(self.cfg.compression)
-        layout = ParamLayout.from_module(setup.model)
-        buffers = sum(b.numel() for b in float_buffers(setup.model))
-        self.bytes = ByteModel.of(self.cfg.compression, layout, buffers, len(group.workers))
-        self.compute_seconds: float | None = None  # a step's compute as last measured (keep_ratio=auto)
+        self.measured = AutoMeasurements() if measured is None else measured
+        self.keep = KeepSchedule(self.cfg.compression, self.measured)
+        if self.measured.bytes is None:
+            layout = ParamLayout.from_module(setup.model)
+            buffers = sum(b.numel() for b in float_buffers(setup.model))
+            self.measured.bytes = ByteModel.of(self.cfg.compression, layout, buffers, len(group.workers))
         self.rehearsed_step: int | None = None  # computed before its chunk (its step time lacks its compute)
-        self.links = LinkWatch()  # the last probe of the links (keep_ratio=auto)
         sync = build_sync(setup.config, setup.model)
         self.replicas_exact = sync.exact_replicas
         # scored by the workers with the epoch's last chunk (on exact replicas: their own weights)
@@ -236,23 +237,25 @@ class DpgsEngine:
         first epoch, or after a resume), the workers compute that step first, kept for it, and time their
         codec (``RankGroup.rehearse``; ``dpgs.distributed.schedule``). The links are probed unless no probe
         could change a dense choice. Returns the epoch's steps at the ratio decided, and the figures."""
-        if self.compute_seconds is None:
+        measured = self.measured
+        if measured.compute_seconds is None:
             first = todo[0]
             following = plans[first.step_in_epoch + 1] if first.step_in_epoch + 1 < len(plans) else None
             rehearsals = self.group.rehearse(first, following, self.keep.rehearsal_ratios())
             self.rehearsed_step = first.index
-            self.compute_seconds = max(r.compute_seconds for r in rehearsals)
+            measured.compute_seconds = max(r.compute_seconds for r in rehearsals)
             timed = {k for r in rehearsals for k in r.codec_seconds}
             slowest = {k: max(r.codec_seconds.get(k, 0.0) for r in rehearsals) for k in timed}
             self.keep.costs.rehearsed(slowest)
         probed, note = False, " (measured on its steps; the links were not probed)"
-        if self.keep.dense_is_settled(self.compute_seconds):
-            decision, link_figures = self.keep.keep_dense(self.compute_seconds), {}
+        if self.keep.dense_is_settled(measured.compute_seconds):
+            decision, link_figures = self.keep.keep_dense(measured.compute_seconds), {}
         else:
-            sizes = probe_sizes(4 * self.bytes.numel)
-            link, probed = self.links.latest(lambda: self.group.probe_links(sizes))
-            note = "" if probed else f" ({self.links.standing()})"
-            decision, link_figures = self.keep.decide(link, self.compute_seconds, self.bytes), link.metrics()
+            sizes = probe_sizes(4 * measured.bytes.numel)
+            link, probed = measured.links.latest(lambda: self.group.probe_links(sizes))
+            note = "" if probed else f" ({measured.links.standing()})"
+            decision = self.keep.decide(link, measured.compute_seconds, measured.bytes)
+            link_figures = link.metrics()
         ratio = self.keep.ratio(epoch)
         print(
             f"[dpgs] epoch {epoch}: keep_ratio=auto chose {decision.ratio:g} (this epoch {ratio:g}): compute "
@@ -279,17 +282,17 @@ class DpgsEngine:
         """Remember the epoch's compute per step, its step costs per keep ratio and, from its compressed
         steps, the payload bytes per sent entry (the next decision's inputs)."""
         if reports.workers:
-            self.compute_seconds = step_compute_seconds(reports.workers)
+            self.measured.compute_seconds = step_compute_seconds(reports.workers)
         keep = {p.index: p.keep_ratio for p in steps}
         # the rehearsed step's time on the master holds no compute: its exchange would look free
         self.keep.costs.observe({i: k for i, k in keep.items() if i != self.rehearsed_step} or keep,
                                 reports.workers, reports.master)
-        sparse = [(keep[r.index], r.up_bytes - 8 * self.bytes.buffers) for r in reports.workers
+        sparse = [(keep[r.index], r.up_bytes - 8 * self.measured.bytes.buffers) for r in reports.workers
                   if r.n_bags and keep.get(r.index, 1.0) < 1.0]
         if sparse:
             ratio = min(k for k, _ in sparse)
             sizes = [b for k, b in sparse if k == ratio]
-            self.bytes = self.bytes.calibrated(ratio, sum(sizes) / len(sizes))
+            self.measured.bytes = self.measured.bytes.calibrated(ratio, sum(sizes) / len(sizes))
 
     # ------------------------------------------------------------------ state
     def _driver_state(self, epoch: int, step_in_epoch: int, history: list[dict]) -> dict:

@@ -48,12 +48,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from dpgs.compression import KeepRatioSchedule, ParamLayout
 from dpgs.compression.dtypes import VALUE_DTYPES
 from dpgs.config.schema import CompressionConfig
-from dpgs.distributed.link_probe import LinkProbe
+from dpgs.distributed.link_probe import LinkProbe, LinkWatch
 from dpgs.distributed.messages import MasterStep, WorkerStep
 
 HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
@@ -159,10 +159,8 @@ class StepCosts:
         self.codec: dict[float, float] = {}
         self.exchange: dict[float, float] = {}
 
-    def observe(self, keep_of: dict[int, float], workers: list[WorkerStep], master: list[MasterStep],
-                exchange: bool = True) -> None:
-        """Add steps (``keep_of``: each step's keep ratio; steps not in it are left out). ``exchange=False``:
-        the codec cost only (a fold's first step, whose wall time holds one-off start-up costs)."""
+    def observe(self, keep_of: dict[int, float], workers: list[WorkerStep], master: list[MasterStep]) -> None:
+        """Add steps (``keep_of``: each step's keep ratio; steps not in it are left out)."""
         codec: dict[int, float] = {}
         compute: dict[int, float] = {}
         for r in workers:
@@ -177,8 +175,7 @@ class StepCosts:
                 exchanges.append(max(m.step_seconds - compute[m.index], 0.0))
         for keep, (codecs, exchanges) in by_ratio.items():
             self.codec[keep] = statistics.median(codecs)
-            if exchange:
-                self.exchange[keep] = statistics.median(exchanges)
+            self.exchange[keep] = statistics.median(exchanges)
 
     def rehearsed(self, codec: dict[float, float]) -> None:
         """Codec seconds per ratio timed before any step ran (``Worker.rehearse``), for the ratios whose steps
@@ -242,16 +239,42 @@ def step_compute_seconds(reports: list[WorkerStep]) -> float:
     return statistics.median(by_step.values()) if by_step else 0.0
 
 
-class KeepSchedule:
-    """Keep ratio of each step from the run's compression settings (see the module docstring)."""
+@dataclass
+class AutoMeasurements:
+    """What ``keep_ratio=auto`` has measured, kept by the DPGS session for every fold of a command: the same
+    actors on the same links train the same model in each fold, so a fold starts from what the folds
+    before it measured instead of measuring again. A later fold's first epoch therefore neither rehearses
+    its first step (``compute_seconds`` is known) nor probes the links where dense is settled
+    (:meth:`KeepSchedule.dense_is_settled` on ``costs`` and ``ratio``). Probed afresh at every fold's
+    start, a loopback link measured a dense exchange of 5-13 ms against the 2-3 ms its dense steps took
+    (MUSK1, ABMIL, 2 cores, 2026-11-29), and auto compressed the first epochs of 2 and 4 folds of 10.
 
-    def __init__(self, cfg: CompressionConfig):
+    ``compute_seconds``: a step's compute as last measured; ``costs``: the steps' costs per ratio run;
+    ``links``: the last probe; ``bytes``: the byte model (None until the first fold builds it; calibrated
+    on the compressed payloads run); ``ratio``: the steady ratio auto chose last (None before its first
+    decision)."""
+
+    compute_seconds: float | None = None
+    costs: StepCosts = field(default_factory=StepCosts)
+    links: LinkWatch = field(default_factory=LinkWatch)
+    bytes: ByteModel | None = None
+    ratio: float | None = None
+
+
+class KeepSchedule:
+    """Keep ratio of each step from the run's compression settings (see the module docstring); ``measured``:
+    what auto measured before this fold (:class:`AutoMeasurements`), whose step costs it adds to."""
+
+    def __init__(self, cfg: CompressionConfig, measured: AutoMeasurements | None = None):
+        self.measured = AutoMeasurements() if measured is None else measured
         self.cfg = cfg
         self.auto = cfg.keep_ratio == "auto"
-        # auto, until its first decision: the cheapest ratio. After a resume: the ratio the checkpoint ran.
-        self.steady = min(cfg.auto_ratios) if self.auto else float(cfg.keep_ratio)
+        # auto, until its first decision: the ratio it chose last, else the cheapest. After a resume: the
+        # ratio the checkpoint ran.
+        first = min(cfg.auto_ratios) if self.measured.ratio is None else self.measured.ratio
+        self.steady = first if self.auto else float(cfg.keep_ratio)
         self.warmup_dense = False
-        self.costs = StepCosts()
+        self.costs = self.measured.costs
         self.first_compressed: int | None = None  # the fold's first compressed epoch (checkpointed)
 
     @property
@@ -312,6 +335,7 @@ class KeepSchedule:
         """The decision when :meth:`dense_is_settled`: dense, from what its steps cost."""
         dense = self.costs.exchange[1.0]
         self.warmup_dense = False
+        self.measured.ratio = self.steady
         return KeepDecision(1.0, compute_seconds, dense, dense)
 
     def decide(self, link: LinkProbe, compute_seconds: float, bytes_model: ByteModel) -> KeepDecision:
@@ -337,6 +361,7 @@ class KeepSchedule:
         self.warmup_dense = (self.steady < 1.0 and self.cfg.warmup_epochs > 0
                              and (self.cfg.second_moment == "frozen"
                                   or seconds[1.0] <= self.cfg.auto_warmup_share * compute_seconds))
+        self.measured.ratio = self.steady
         return KeepDecision(self.steady, compute_seconds, seconds[1.0], seconds[self.steady],
                             self.warmup_dense)
 

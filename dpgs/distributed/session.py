@@ -13,6 +13,7 @@ from dpgs.distributed.failures import ray_failures
 from dpgs.distributed.rank_group import RankGroup
 from dpgs.distributed.roles import Roles, WorkerLaunch
 from dpgs.distributed.runtime import connect
+from dpgs.distributed.schedule import AutoMeasurements
 from dpgs.runwatch import WATCHER
 from dpgs.train.engine import FoldSetup
 
@@ -48,7 +49,8 @@ def start_workers(roles: Roles, config: Config, spec, dataset, launch: WorkerLau
 
 
 class DpgsSession:
-    """Starts Ray and the actors with the first fold; later folds only reset the actors' state.
+    """Starts Ray and the actors with the first fold; later folds only reset the actors' state, and start
+    from what ``keep_ratio=auto`` measured in the folds before them (:class:`AutoMeasurements`).
 
     ``roles``: the master and worker classes (``dpgs.runner.dpgs_roles``)."""
 
@@ -59,6 +61,7 @@ class DpgsSession:
         self.launch: WorkerLaunch | None = None
         self.head_watched = False
         self.connected = False  # this session started (or joined) Ray: it disconnects when it closes
+        self.measured = AutoMeasurements()  # keep_ratio=auto's figures, for every fold
 
     def _start(self, setup: FoldSetup) -> RankGroup:
         config = setup.config
@@ -91,7 +94,7 @@ class DpgsSession:
     def engine(self, setup: FoldSetup) -> DpgsEngine:
         if self.group is None:
             self.group = self._start(setup)
-        return DpgsEngine(self.group, setup)
+        return DpgsEngine(self.group, setup, self.measured)
 
     def close(self) -> None:
         """Release the group, then Ray where this session connected it: a local instance stops, a cluster

@@ -495,6 +495,57 @@ def test_auto_keep_ratio_measures_the_link_and_chooses(ray_cluster, long_bags, t
         assert all(torch.equal(params[k], same[k]) for k in params)
 
 
+def test_auto_starts_a_later_fold_from_what_the_folds_before_it_measured(ray_cluster, long_bags, tmp_path,
+                                                                        monkeypatch):
+    """keep_ratio=auto in a k-fold command: the second fold's engine, on the same session, neither rehearses
+    its first step nor probes the links: the first fold's dense steps settled dense, and the same workers on
+    the same links train the same model. A fresh session (no earlier fold) rehearses and probes. Probed
+    afresh at each fold's start on a loaded machine, a loopback link once looked slow enough to compress
+    the first epochs of 4 of 10 MUSK1 folds."""
+    from dpgs.distributed.rank_group import RankGroup
+    from dpgs.distributed.session import DpgsSession
+    from dpgs.runner import dpgs_roles
+    from dpgs.train.engine import FoldSetup
+
+    calls = []
+
+    def counted(name):
+        original = getattr(RankGroup, name)
+
+        def call(self, *args):
+            calls.append(name)
+            return original(self, *args)
+
+        return call
+
+    for name in ("rehearse", "probe_links"):
+        monkeypatch.setattr(RankGroup, name, counted(name))
+    config = make_config(*long_bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.compression.warmup_epochs=0", "dpgs.compression.keep_ratio=auto",
+                         "dpgs.compression.auto_ratios=[1.0,0.1]", "dpgs.compression.auto_share=0.5")
+    data = experiment_data(config)
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]  # four steps: auto judges a ratio by their median
+
+    def fold(session, name):
+        spec, model = start(config, data)
+        setup = FoldSetup(config, spec, model, None, data.dataset, list(data.splits[0].train),
+                          torch.device("cpu"), tmp_path / name, None, None)
+        return session.engine(setup).run_epoch(batches, 1, [])
+
+    session = DpgsSession(config, dpgs_roles(config))
+    try:
+        first = fold(session, "fold_0")
+        assert calls == ["rehearse", "probe_links"] and first["auto_links_probed"] == 1.0
+        assert first["auto_keep_ratio"] == 1.0
+        calls.clear()
+        second = fold(session, "fold_1")
+        assert calls == [] and second["auto_links_probed"] == 0.0
+        assert second["auto_keep_ratio"] == 1.0 and second["optimizer_steps"] == 4.0
+        assert session.measured.ratio == 1.0 and session.measured.compute_seconds > 0
+    finally:
+        session.close()
+
+
 def test_auto_freezes_the_second_moment_after_a_dense_warm_up(ray_cluster, long_bags, tmp_path):
     """keep_ratio=auto and second_moment=auto on a head: behind 20 Mbit/s links (a dense exchange of about
     the compute) auto compresses (``auto_share`` 0.01); where it runs the warm-up epoch dense

@@ -257,8 +257,8 @@ def test_step_costs_per_keep_ratio_from_the_steps():
     assert costs.codec_floor(0.001) == costs.codec[0.01]
     assert StepCosts().codec_floor(0.01) == 0.0 and costs.codec_floor(1.0) == costs.codec[1.0]
     first = StepCosts()
-    first.observe({0: 0.001}, workers[:2], master[:1], exchange=False)  # a step timed without its wall time
-    assert first.exchange == {} and first.codec[0.001] == pytest.approx(0.045)
+    first.rehearsed({0.001: 0.045})  # the codec timed before any step ran (a fold's first decision)
+    assert first.exchange == {} and first.codec[0.001] == 0.045
     # only the codec measured: it stands for the overhead, and grows as the codec does
     assert first.overhead_at(0.01, link_s) == pytest.approx(0.045 * (1 + 0.01 * g) / (1 + 0.001 * g))
     assert StepCosts().overhead_at(0.01, link_s) == 0.0  # nothing compressed has run
