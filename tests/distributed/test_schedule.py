@@ -12,6 +12,7 @@ from dpgs.distributed.messages import MasterStep, WorkerStep
 from dpgs.distributed.schedule import (
     CODEC_GROWTH,
     HEADER_BYTES,
+    AutoMeasurements,
     ByteModel,
     KeepSchedule,
     StepCosts,
@@ -361,6 +362,25 @@ def test_no_probe_while_no_probe_could_change_a_dense_choice():
     schedule.steady = 0.01
     assert not schedule.dense_is_settled(0.1)  # compressed runs re-probe every epoch
     assert not KeepSchedule(CompressionConfig(keep_ratio=1.0)).dense_is_settled(0.1)  # fixed: no auto
+
+
+def test_a_later_fold_starts_from_what_the_folds_before_it_measured():
+    """The schedule of a fold given the command's ``AutoMeasurements`` starts at the ratio chosen last and
+    adds to the same step costs: dense settled in one fold is settled at the next fold's start (no probe);
+    a fresh fold starts at the cheapest ratio, unsettled. A decision records its ratio for the next fold."""
+    cfg = CompressionConfig(keep_ratio="auto")
+    measured = AutoMeasurements()
+    first = KeepSchedule(cfg, measured)
+    assert first.steady == min(cfg.auto_ratios) and first.costs is measured.costs
+    first.costs.exchange[1.0] = 0.005
+    first.decide(link(100_000.0), 0.1, model(numel=100_000))
+    assert first.steady == 1.0 and measured.ratio == 1.0
+    later = KeepSchedule(cfg, measured)
+    assert later.steady == 1.0 and later.dense_is_settled(0.1)  # 5 ms <= 10 % of 100 ms: no probe
+    assert not KeepSchedule(cfg).dense_is_settled(0.1)
+    first.costs.exchange[1.0] = 0.5  # dense steps measured slow behind a slow link: auto compresses, and so
+    first.decide(link(1.0), 0.1, model(numel=100_000))  # does the next fold's schedule before it decides
+    assert measured.ratio == first.steady < 1.0 and KeepSchedule(cfg, measured).steady == first.steady
 
 
 @pytest.mark.parametrize("compute,dense,keep1,chosen", [(0.008, 0.006, 0.0035, 1.0), (1.1, 1.56, 0.08, 0.01),
