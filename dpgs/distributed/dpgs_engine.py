@@ -233,10 +233,11 @@ class DpgsEngine:
     # ------------------------------------------------------------------ keep_ratio=auto
     def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int
                            ) -> tuple[list[StepPlan], dict]:
-        """Decide the epoch's ratio before its first step. Without a compute measurement yet (the fold's
-        first epoch, or after a resume), the workers compute that step first, kept for it, and time their
-        codec (``RankGroup.rehearse``; ``dpgs.distributed.schedule``). The links are probed unless no probe
-        could change a dense choice. Returns the epoch's steps at the ratio decided, and the figures."""
+        """Decide the epoch's ratio before its first step. Without a compute measurement yet (the command's
+        first epoch, or after a resume; later folds start from the earlier ones'), the workers compute that
+        step first, kept for it, and time their codec (``RankGroup.rehearse``; ``dpgs.distributed.schedule``).
+        The links are probed unless no probe could change a dense choice. Returns the epoch's steps at the
+        ratio decided, and the figures."""
         measured = self.measured
         if measured.compute_seconds is None:
             first = todo[0]
