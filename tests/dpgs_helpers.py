@@ -55,6 +55,13 @@ def experiment_data(config):
     return load_experiment_data(config.data, seed=config.seed)
 
 
+def fold_setup(config, spec, model, dataset, train_indices, class_weights=None, eval_dataset=None,
+               validation=None, output_dir=None) -> FoldSetup:
+    """One fold on the CPU, writing to ``output_dir`` (default: ``train.output_dir``)."""
+    return FoldSetup(config, spec, model, class_weights, dataset, list(train_indices), torch.device("cpu"),
+                     Path(output_dir or config.train.output_dir), eval_dataset, validation)
+
+
 @contextmanager
 def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None, eval_dataset=None,
                 validation=None):
@@ -63,8 +70,7 @@ def dpgs_engine(config, spec, model, dataset, train_indices, class_weights=None,
     from dpgs.runner import dpgs_roles
 
     session = DpgsSession(config, dpgs_roles(config))
-    setup = FoldSetup(config, spec, model, class_weights, dataset, list(train_indices), torch.device("cpu"),
-                      Path(config.train.output_dir), eval_dataset, validation)
+    setup = fold_setup(config, spec, model, dataset, train_indices, class_weights, eval_dataset, validation)
     try:
         yield session.engine(setup)
     finally:

@@ -23,7 +23,7 @@ from dpgs.runner import run_training
 from dpgs.train.engine import EpochEnd
 from dpgs.train.local_engine import LocalEngine
 from tests.distributed.test_failures import closed_address
-from tests.dpgs_helpers import dpgs_engine, experiment_data, make_config, write_bags
+from tests.dpgs_helpers import dpgs_engine, experiment_data, fold_setup, make_config, write_bags
 
 pytestmark = pytest.mark.ray
 
@@ -505,7 +505,6 @@ def test_auto_starts_a_later_fold_from_what_the_folds_before_it_measured(ray_clu
     from dpgs.distributed.rank_group import RankGroup
     from dpgs.distributed.session import DpgsSession
     from dpgs.runner import dpgs_roles
-    from dpgs.train.engine import FoldSetup
 
     calls = []
 
@@ -528,8 +527,8 @@ def test_auto_starts_a_later_fold_from_what_the_folds_before_it_measured(ray_clu
 
     def fold(session, name):
         spec, model = start(config, data)
-        setup = FoldSetup(config, spec, model, None, data.dataset, list(data.splits[0].train),
-                          torch.device("cpu"), tmp_path / name, None, None)
+        setup = fold_setup(config, spec, model, data.dataset, data.splits[0].train,
+                           output_dir=tmp_path / name)
         return session.engine(setup).run_epoch(batches, 1, [])
 
     session = DpgsSession(config, dpgs_roles(config))
