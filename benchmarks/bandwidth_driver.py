@@ -78,7 +78,7 @@ class RecordingGroup(RankGroup):
         self._write()
         return reports
 
-    def ask_state(self, weights: bool = True):
+    def ask_state(self, weights: bool, sync_states: bool):
         """As the group's, after a pause that lets the counter sampler (every 50 ms, interpolated) take a
         sample between the epoch's last chunk and this traffic: the workers' residuals (46 MB each for the
         tile encoder) would otherwise be smeared into the chunk's window. Then it waits until the answers
@@ -86,9 +86,10 @@ class RecordingGroup(RankGroup):
         Outside every measured step."""
         self._pause("ask_state")
         self._write()
-        super().ask_state(weights)
+        super().ask_state(weights, sync_states)
         started = time.monotonic()
-        refs = [*self.asked.sync_states, *([] if self.asked.weights is None else [self.asked.weights])]
+        asked = self.asked
+        refs = [*(asked.sync_states or []), *([] if asked.weights is None else [asked.weights])]
         ray.wait(refs, num_returns=len(refs), timeout=self.timeout, fetch_local=True)
         time.sleep(PAUSE_S)
         RecordingGroup.pauses.append({"end": time.time(), "seconds": time.monotonic() - started,

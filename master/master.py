@@ -150,25 +150,32 @@ class Master:
         self.saved()
         return str(save_checkpoint(path, self.state_dict(), driver, workers))
 
-    def save_epoch(self, weights_files: list[str], path: str, driver: dict, workers: list) -> None:
+    def save_epoch(self, weights_files: list[str], path: str | None, driver: dict | None,
+                   workers: list) -> None:
         """An epoch's end: the weights to each of ``weights_files`` (``last.pt``, ``best.pt``), then the
-        checkpoint; each file atomically. ``workers``: object refs of the workers' step-synchronisation
-        states. A state of ``BACKGROUND_WRITE_BYTES`` or more is copied and the files are written on a
-        thread while the next chunk runs (the copy costs a second set of weights, optimizer and residual
-        state meanwhile); a smaller one is written before this returns. :meth:`saved` waits; one epoch's
-        files are pending at most."""
+        checkpoint to ``path`` (None: none, a run that cannot be resumed); each file atomically.
+        ``workers``: object refs of the workers' step-synchronisation states (the checkpoint's). A state of
+        ``BACKGROUND_WRITE_BYTES`` or more is copied and the files are written on a thread while the next
+        chunk runs (the copy costs a second set of weights, optimizer and residual state meanwhile); a
+        smaller one is written before this returns. :meth:`saved` waits; one epoch's files are pending at
+        most."""
         self.saved()
-        state = self.state_dict()
+        if path is None:  # the weights alone are written, so only they are copied
+            state = MasterCheckpoint(self.replica.model.state_dict(), {}, self.replica.version, {})
+        else:
+            state = self.state_dict()
         if tensor_bytes(state) < BACKGROUND_WRITE_BYTES:
             self._write_epoch(weights_files, path, state, driver, workers)
             return
         copied, refs = copy.deepcopy(state), list(workers)
         self.writing = self.writer.submit(self._write_epoch, weights_files, path, copied, driver, refs)
 
-    def _write_epoch(self, weights_files: list[str], path: str, state: MasterCheckpoint, driver: dict,
-                     workers: list) -> str:
+    def _write_epoch(self, weights_files: list[str], path: str | None, state: MasterCheckpoint,
+                     driver: dict | None, workers: list) -> str | None:
         for file in weights_files:
             save_torch_atomically(state.model, file)
+        if path is None:
+            return None
         # a worker that does not answer: None, as ``RankGroup.sync_states`` (resumed without its residual)
         states = answers_or_none(workers, lambda ref: ray.get(ref, timeout=self.timeout))
         return str(save_checkpoint(path, state, driver, states))

@@ -327,4 +327,16 @@ class Config(Section):
                     f"dpgs.sample_parallel={g} runs the encoder's ranks in float32; model.amp=true (bfloat16 "
                     "autocast) is not supported with it"
                 )
+        if self.dpgs.checkpoint_every and not self.resumable:
+            raise ValueError(
+                f"dpgs.checkpoint_every={self.dpgs.checkpoint_every} writes checkpoints for --resume, which "
+                f"continues single-split runs only: a data.folds={data.folds} command writes none; set "
+                "dpgs.checkpoint_every=0"
+            )
         return self
+
+    @property
+    def resumable(self) -> bool:
+        """Whether ``--resume`` can continue this run, and so whether a DPGS run writes checkpoints:
+        single-split runs only (``data.folds=1``; a k-fold command's folds are not resumed one by one)."""
+        return self.data.folds == 1

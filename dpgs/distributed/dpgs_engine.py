@@ -9,6 +9,8 @@ that end at checkpoints (``dpgs.checkpoint_every``) and at the epoch's end; the 
 Where the workers' replicas are exactly the master's model, the epoch's last chunk also has them score the
 fold's validation set (``FoldSetup.validation``) once its steps are done, in the same call.
 Per-step reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`).
+Checkpoints (``dpgs.records``) are written only where ``--resume`` can continue the run
+(``Config.resumable``): a fold of a k-fold command writes its weights files alone.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from dpgs.records import CHECKPOINT_FILE, Checkpoint
 from dpgs.train.engine import EpochEnd, FoldSetup, Validation
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
+
+NOT_RESUMABLE = "a k-fold command writes no checkpoint (--resume continues single-split runs): run it again"
 
 
 @dataclass
@@ -112,6 +116,7 @@ class DpgsEngine:
         self.eval_dataset = setup.eval_dataset
         self.eval_lengths = setup.eval_dataset.lengths()  # every instance (eval datasets do not sample)
         self.out_dir = Path(setup.output_dir).resolve()  # the master writes there, from another directory
+        self.resumable = setup.config.resumable  # else no checkpoint is written
         self.hooks = EngineHooks()
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
@@ -192,8 +197,9 @@ class DpgsEngine:
         if self.validation is not None and len(reports.scored) == len(self.group.workers):
             self.validated = Predictions.merge(list(reports.scored.values()), list(self.validation.indices))
         self.skip_steps = 0
-        # the trainer's next asks (the checkpoint's residuals; weights for validation on inexact replicas)
-        self.group.ask_state(weights=not self.replicas_exact)  # arrive during validation
+        # the trainer's next asks, answered during validation: the checkpoint's residuals (a resumable
+        # run's), the weights for validation on inexact replicas
+        self.group.ask_state(weights=not self.replicas_exact, sync_states=self.resumable)
         if self.keep.auto:
             self._measured(reports, todo)
         metrics = epoch_metrics(reports, len(self.group.workers))
@@ -214,11 +220,18 @@ class DpgsEngine:
         try:
             done = self.group.run(ChunkPlan(tuple(chunk), following, score))
         except WorkerFailure as err:
+            if not self.resumable:
+                raise WorkerFailure(f"{err}; {NOT_RESUMABLE}") from err
             path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
         except MasterFailure as err:
             path = self.out_dir / CHECKPOINT_FILE
-            last = f"resume from {path} with --resume" if path.is_file() else "no checkpoint was written yet"
+            if not self.resumable:
+                last = NOT_RESUMABLE
+            elif path.is_file():
+                last = f"resume from {path} with --resume"
+            else:
+                last = "no checkpoint was written yet"
             raise type(err)(f"{err}; {last}") from err  # a ClusterLost stays one
         reports.master += done.master
         reports.workers += done.workers
@@ -316,11 +329,15 @@ class DpgsEngine:
 
     def save_epoch(self, end: EpochEnd) -> None:
         """The master writes the weights files and the checkpoint that resumes at epoch ``end.epoch + 1``
-        while the driver goes on (``RankGroup.save_epoch``): per epoch, the weights no longer travel to the
-        driver, and the writes overlap the driver's logging and the workers' first step (a large state's,
-        the next chunk: ``Master.save_epoch``)."""
-        driver = self._driver_state(end.epoch + 1, 0, end.history)
+        (a run that cannot be resumed: the weights files alone) while the driver goes on
+        (``RankGroup.save_epoch``): per epoch, the weights no longer travel to the driver, and the writes
+        overlap the driver's logging and the workers' first step (a large state's, the next chunk:
+        ``Master.save_epoch``)."""
         files = [str(Path(p).resolve()) for p in end.weights_files]  # the master runs in another directory
+        if not self.resumable:
+            self.group.save_epoch(files, None, None)
+            return
+        driver = self._driver_state(end.epoch + 1, 0, end.history)
         self.group.save_epoch(files, str(self.out_dir / CHECKPOINT_FILE), driver)
 
     def wait_saved(self) -> None:

@@ -76,11 +76,11 @@ class GroupHooks:
 
 @dataclass(frozen=True)
 class AskedState:
-    """Object refs of answers asked for ahead (:meth:`RankGroup.ask_state`): the master's weights (None when
-    not asked) and each worker's step-synchronisation state."""
+    """Object refs of answers asked for ahead (:meth:`RankGroup.ask_state`): the master's weights and each
+    worker's step-synchronisation state (None when not asked)."""
 
     weights: ray.ObjectRef | None
-    sync_states: list
+    sync_states: list | None
 
 
 class RankGroup:
@@ -175,14 +175,16 @@ class RankGroup:
         """The master's version (optimizer steps taken in this fold)."""
         return self._get(self.master.version.remote())
 
-    def ask_state(self, weights: bool = True) -> None:
-        """Ask every worker for its step-synchronisation state now, and the master for its weights when
-        ``weights``, without waiting: the answers arrive while the driver does other work (validation), and
-        :meth:`model_state`, :meth:`save_checkpoint` and :meth:`save_epoch` take them, until the group's
-        state changes (steps, a new fold, a resynchronisation, a restore). One round trip less each, at
-        every epoch's end."""
-        states = self.workers.call("sync_state")
-        prefetch(states, self.timeout)  # across the workers' links now, not when the checkpoint is written
+    def ask_state(self, weights: bool, sync_states: bool) -> None:
+        """Ask the master for its weights when ``weights`` and every worker for its step-synchronisation
+        state when ``sync_states`` (a checkpoint's), without waiting: the answers arrive while the driver
+        does other work (validation), and :meth:`model_state`, :meth:`save_checkpoint` and
+        :meth:`save_epoch` take them, until the group's state changes (steps, a new fold, a
+        resynchronisation, a restore). One round trip less each, at every epoch's end."""
+        states = None
+        if sync_states:
+            states = self.workers.call("sync_state")
+            prefetch(states, self.timeout)  # across the workers' links now, not when the checkpoint's written
         self.asked = AskedState(self.master.model_state.remote() if weights else None, states)
 
     @reports_ray_failures("fetching the weights from the master")
@@ -197,21 +199,25 @@ class RankGroup:
     def _sync_state_refs(self) -> list:
         """Object refs of every worker's step-synchronisation state: those asked ahead, else asked now (all
         at once)."""
-        return list(self.asked.sync_states) if self.asked else self.workers.call("sync_state")
+        if self.asked and self.asked.sync_states is not None:
+            return list(self.asked.sync_states)
+        return self.workers.call("sync_state")
 
     @reports_ray_failures("writing the DPGS checkpoint")
     def save_checkpoint(self, path: str, driver: dict) -> str:
         """Master state, the workers' synchronisation states and ``driver``, atomically to ``path``."""
         return self._get(self.master.save_checkpoint.remote(path, driver, self.sync_states()))
 
-    def save_epoch(self, weights_files: list[str], path: str, driver: dict) -> None:
-        """Have the master write an epoch's weights files and checkpoint (``Master.save_epoch``) without
-        waiting for them: it copies its state and writes the files on a thread while the next chunk runs,
-        taking the workers' states from their object refs (asked ahead by :meth:`ask_state`), so neither
-        the driver nor the next chunk waits for the workers' states or the disk. :meth:`wait_saved` waits
+    def save_epoch(self, weights_files: list[str], path: str | None, driver: dict | None) -> None:
+        """Have the master write an epoch's weights files and checkpoint (``Master.save_epoch``; ``path``
+        None: the weights files alone) without waiting for them: it copies its state and writes the files
+        on a thread while the next chunk runs, taking the workers' states from their object refs (asked
+        ahead by :meth:`ask_state`), so neither the driver nor the next chunk waits for the workers' states
+        or the disk. :meth:`wait_saved` waits
         (and is called first here: one epoch's files at most are pending)."""
         self.wait_saved()
-        self.saving = self.master.save_epoch.remote(weights_files, path, driver, self._sync_state_refs())
+        states = [] if path is None else self._sync_state_refs()
+        self.saving = self.master.save_epoch.remote(weights_files, path, driver, states)
 
     @reports_ray_failures("writing the epoch's weights files and checkpoint")
     def wait_saved(self) -> None:

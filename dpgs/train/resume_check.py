@@ -14,9 +14,10 @@ two configs key by key:
   refused together, each with its old and new value.
 
 The run continues in the checkpoint's own directory (``train.output_dir`` must be that directory), and
-only single-split runs are resumable (``data.folds=1``). :func:`check_resume_classes` compares the classes
-of the manifest with the run's ``classes.json``. Every error is a :class:`ResumeError` (a
-``CheckpointError``, exit code 2).
+only single-split runs are resumable (``Config.resumable``: ``data.folds=1``; a k-fold command writes no
+checkpoint, so it neither pays for one every epoch nor leaves one that ``--resume`` would refuse).
+:func:`check_resume_classes` compares the classes of the manifest with the run's ``classes.json``. Every
+error is a :class:`ResumeError` (a ``CheckpointError``, exit code 2).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def check_resume(config: Config) -> Checkpoint | None:
     path = Path(config.dpgs.resume)
     if config.train.mode != "dpgs":
         raise ResumeError("--resume needs train.mode=dpgs (single-process runs restart from best.pt)")
-    if config.data.folds > 1:
+    if not config.resumable:
         raise ResumeError(f"--resume continues single-split runs; data.folds={config.data.folds} runs cannot "
                           "be resumed")
     checkpoint = read_checkpoint(path)

@@ -35,8 +35,9 @@ def test_the_next_chunk_waits_for_the_asked_state_to_arrive(monkeypatch, tmp_pat
 
     from dpgs.distributed.rank_group import AskedState
 
-    def ask(self, weights=True):
-        self.asked = AskedState("weights-ref" if weights else None, ["state-1", "state-2"])
+    def ask(self, weights, sync_states):
+        states = ["state-1", "state-2"] if sync_states else None
+        self.asked = AskedState("weights-ref" if weights else None, states)
 
     waited = []
     monkeypatch.setattr(RankGroup, "ask_state", ask)
@@ -47,8 +48,8 @@ def test_the_next_chunk_waits_for_the_asked_state_to_arrive(monkeypatch, tmp_pat
     monkeypatch.setattr(RecordingGroup, "pauses", [])
     group = object.__new__(RecordingGroup)
     group.timeout = 5.0
-    group.ask_state()
-    group.ask_state(weights=False)
+    group.ask_state(weights=True, sync_states=True)
+    group.ask_state(weights=False, sync_states=True)
     assert [refs for refs, _ in waited] == [["state-1", "state-2", "weights-ref"], ["state-1", "state-2"]]
     assert all(kw["fetch_local"] and kw["num_returns"] == len(refs) for refs, kw in waited)
     assert [p["before"] for p in RecordingGroup.pauses] == ["ask_state", "chunk after the asked state"] * 2

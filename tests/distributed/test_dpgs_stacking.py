@@ -225,7 +225,8 @@ def test_state_asked_at_an_epochs_end_is_the_groups_until_it_runs_steps(ray_clus
         assert all(torch.equal(held[k], v) for k, v in group.model_state().items())
         assert all(torch.equal(a["uplink"]["residual"], b)
                    for a, b in zip(group.sync_states(), residuals, strict=True))
-        group.ask_state = lambda weights: None  # epoch 2 asks nothing ahead: the group must ask afresh
+        # epoch 2 asks nothing ahead: the group must ask afresh
+        group.ask_state = lambda weights, sync_states: None
         engine.run_epoch([[8, 9, 10, 11]], 2, [])
         assert group.asked is None
         after = group.model_state()
@@ -323,6 +324,22 @@ def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tm
     assert checkpoint["driver"]["step_in_epoch"] == 0 and checkpoint["master"]["step"] == 0
 
 
+def test_workers_dying_past_the_limit_in_a_kfold_command_say_it_is_not_resumable(ray_cluster, bags, tmp_path):
+    """A fold of a k-fold command writes no checkpoint (``--resume`` continues single-split runs): a failure
+    past the restart limit writes none either, and says to run the command again."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "data.folds=2",
+                         "data.val_fraction=0", "dpgs.max_worker_restarts=0", "dpgs.call_timeout_s=30")
+    (tmp_path / "run").mkdir()
+    data = experiment_data(config)
+
+    def kill(group, pids):
+        os.kill(pids[1], signal.SIGKILL)
+
+    with pytest.raises(WorkerFailure, match=r"worker 1 failed 1 times.*writes no checkpoint.*run it again"):
+        dpgs_run(config, data, [[0, 1, 2, 3]], after_submit=kill)
+    assert not (tmp_path / "run" / CHECKPOINT_FILE).exists()
+
+
 @pytest.mark.parametrize("head", ["answering", "unreachable"])
 def test_a_dead_master_is_a_master_failure_or_the_lost_head(ray_cluster, bags, tmp_path, head):
     """The master actor killed mid-chunk: with the head's GCS answering, a resumable MasterFailure; with it
@@ -417,7 +434,8 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
 
 def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, tmp_path, monkeypatch):
     """Two folds in one command: the same worker processes serve both (started once), and the second fold
-    ends exactly as a command that trains only that split (state reset between folds)."""
+    ends exactly as a command that trains only that split (state reset between folds). A k-fold command
+    cannot be resumed, so its folds write their weights files and no checkpoint."""
     from dpgs.distributed.rank_group import RankGroup
     from dpgs.train import trainer
 
@@ -434,6 +452,9 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
     result = run_training(make_config(*bags, tmp_path / "kfold", *overrides))
     monkeypatch.setattr(RankGroup, "run", original)
     assert len(result.folds) == 2 and len(set(pids)) == 1, f"workers were restarted between folds: {pids}"
+    for fold in result.folds:
+        assert (fold.output_dir / "last.pt").is_file() and (fold.output_dir / "best.pt").is_file()
+        assert not (fold.output_dir / CHECKPOINT_FILE).exists()
 
     load = trainer.load_experiment_data
 

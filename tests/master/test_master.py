@@ -162,6 +162,25 @@ def test_a_small_state_writes_its_epoch_files_before_save_epoch_returns(tmp_path
     assert master.saved() is None
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["small", "on-the-thread"])
+def test_without_a_checkpoint_path_an_epoch_writes_its_weights_files_alone(tmp_path, monkeypatch, background):
+    """A run that cannot be resumed (a fold of a k-fold command): ``path`` None writes the weights files and
+    nothing else, before ``save_epoch`` returns or on the thread, holding the epoch's end though the master
+    stepped right after."""
+    master, bodies, plan = master_and_bodies(0.1)
+    if background:
+        monkeypatch.setattr(sys.modules[Master.__module__], "BACKGROUND_WRITE_BYTES", 0)
+    at_end = {k: v.clone() for k, v in master.model_state().items()}
+    master.save_epoch([str(tmp_path / "last.pt"), str(tmp_path / "best.pt")], None, None, [])
+    master.channel = ScriptedChannel(bodies, fail_on="")
+    assert master.run_chunk(ChunkPlan(plan.steps[:1])).interrupted_at is None
+    assert master.saved() is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]
+    for name in ("last.pt", "best.pt"):
+        weights = torch.load(tmp_path / name, weights_only=True)
+        assert weights.keys() == at_end.keys() and all(torch.equal(weights[k], v) for k, v in at_end.items())
+
+
 def test_tensor_bytes_counts_every_tensor_of_a_nested_state():
     master, _, _ = master_and_bodies(0.1)
     module = sys.modules[Master.__module__]
