@@ -213,8 +213,8 @@ class RankGroup:
         None: the weights files alone) without waiting for them: it copies its state and writes the files
         on a thread while the next chunk runs, taking the workers' states from their object refs (asked
         ahead by :meth:`ask_state`), so neither the driver nor the next chunk waits for the workers' states
-        or the disk. :meth:`wait_saved` waits
-        (and is called first here: one epoch's files at most are pending)."""
+        or the disk. :meth:`wait_saved` waits (and is called first here: one epoch's files at most are
+        pending)."""
         self.wait_saved()
         states = [] if path is None else self._sync_state_refs()
         self.saving = self.master.save_epoch.remote(weights_files, path, driver, states)
