@@ -116,7 +116,8 @@ class DpgsEngine:
         self.eval_dataset = setup.eval_dataset
         self.eval_lengths = setup.eval_dataset.lengths()  # every instance (eval datasets do not sample)
         self.out_dir = Path(setup.output_dir).resolve()  # the master writes there, from another directory
-        self.resumable = setup.config.resumable  # else no checkpoint is written
+        # where the master writes the checkpoint; None where no --resume can continue the run (none written)
+        self.checkpoint_path = self.out_dir / CHECKPOINT_FILE if setup.config.resumable else None
         self.hooks = EngineHooks()
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
@@ -199,7 +200,7 @@ class DpgsEngine:
         self.skip_steps = 0
         # the trainer's next asks, answered during validation: the checkpoint's residuals (a resumable
         # run's), the weights for validation on inexact replicas
-        self.group.ask_state(weights=not self.replicas_exact, sync_states=self.resumable)
+        self.group.ask_state(weights=not self.replicas_exact, sync_states=self.checkpoint_path is not None)
         if self.keep.auto:
             self._measured(reports, todo)
         metrics = epoch_metrics(reports, len(self.group.workers))
@@ -220,13 +221,13 @@ class DpgsEngine:
         try:
             done = self.group.run(ChunkPlan(tuple(chunk), following, score))
         except WorkerFailure as err:
-            if not self.resumable:
+            if self.checkpoint_path is None:
                 raise WorkerFailure(f"{err}; {NOT_RESUMABLE}") from err
             path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
         except MasterFailure as err:
-            path = self.out_dir / CHECKPOINT_FILE
-            if not self.resumable:
+            path = self.checkpoint_path
+            if path is None:
                 last = NOT_RESUMABLE
             elif path.is_file():
                 last = f"resume from {path} with --resume"
@@ -325,7 +326,7 @@ class DpgsEngine:
     def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path:
         """Master state, workers' residuals and the driver's progress, written before this returns."""
         driver = self._driver_state(epoch, step_in_epoch, history)
-        return Path(self.group.save_checkpoint(str(self.out_dir / CHECKPOINT_FILE), driver))
+        return Path(self.group.save_checkpoint(str(self.checkpoint_path), driver))
 
     def save_epoch(self, end: EpochEnd) -> None:
         """The master writes the weights files and the checkpoint that resumes at epoch ``end.epoch + 1``
@@ -334,11 +335,11 @@ class DpgsEngine:
         overlap the driver's logging and the workers' first step (a large state's, the next chunk:
         ``Master.save_epoch``)."""
         files = [str(Path(p).resolve()) for p in end.weights_files]  # the master runs in another directory
-        if not self.resumable:
+        if self.checkpoint_path is None:
             self.group.save_epoch(files, None, None)
             return
         driver = self._driver_state(end.epoch + 1, 0, end.history)
-        self.group.save_epoch(files, str(self.out_dir / CHECKPOINT_FILE), driver)
+        self.group.save_epoch(files, str(self.checkpoint_path), driver)
 
     def wait_saved(self) -> None:
         self.group.wait_saved()
