@@ -25,7 +25,7 @@ from dpgs.config import Config
 from dpgs.distributed.actors import answers_or_none
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkProbe, probe_as_master
-from dpgs.distributed.messages import ChunkPlan, ChunkResult, ReplicaState
+from dpgs.distributed.messages import ChunkPlan, ChunkResult, EpochCheckpoint, ReplicaState
 from dpgs.distributed.rendezvous import Rendezvous, free_address
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import StepSync, step_bounds
@@ -150,35 +150,33 @@ class Master:
         self.saved()
         return str(save_checkpoint(path, self.state_dict(), driver, workers))
 
-    def save_epoch(self, weights_files: list[str], path: str | None, driver: dict | None,
-                   workers: list) -> None:
+    def save_epoch(self, weights_files: list[str], checkpoint: EpochCheckpoint | None, workers: list) -> None:
         """An epoch's end: the weights to each of ``weights_files`` (``last.pt``, ``best.pt``), then the
-        checkpoint to ``path`` (None: none, a run that cannot be resumed); each file atomically.
+        ``checkpoint`` (None: a run that cannot be resumed writes the weights alone); each file atomically.
         ``workers``: object refs of the workers' step-synchronisation states (the checkpoint's). A state of
-        ``BACKGROUND_WRITE_BYTES`` or more is copied and the files are written on a thread while the next
-        chunk runs (the copy costs a second set of weights, optimizer and residual state meanwhile); a
-        smaller one is written before this returns. :meth:`saved` waits; one epoch's files are pending at
-        most."""
+        ``BACKGROUND_WRITE_BYTES`` or more (the weights, or the checkpoint's whole master state) is copied
+        and the files are written on a thread while the next chunk runs (the copy costs a second set of it
+        meanwhile); a smaller one is written before this returns. :meth:`saved` waits; one epoch's files
+        are pending at most."""
         self.saved()
-        if path is None:  # the weights alone are written, so only they are copied
-            state = MasterCheckpoint(self.replica.model.state_dict(), {}, self.replica.version, {})
-        else:
-            state = self.state_dict()
-        if tensor_bytes(state) < BACKGROUND_WRITE_BYTES:
-            self._write_epoch(weights_files, path, state, driver, workers)
+        state = None if checkpoint is None else self.state_dict()
+        weights = self.model_state() if state is None else state.model
+        if tensor_bytes(weights if state is None else state) < BACKGROUND_WRITE_BYTES:
+            self._write_epoch(weights_files, weights, checkpoint, state, workers)
             return
-        copied, refs = copy.deepcopy(state), list(workers)
-        self.writing = self.writer.submit(self._write_epoch, weights_files, path, copied, driver, refs)
+        weights, state = copy.deepcopy((weights, state))  # one copy of the weights: state.model is weights
+        self.writing = self.writer.submit(self._write_epoch, weights_files, weights, checkpoint, state,
+                                          list(workers))
 
-    def _write_epoch(self, weights_files: list[str], path: str | None, state: MasterCheckpoint,
-                     driver: dict | None, workers: list) -> str | None:
+    def _write_epoch(self, weights_files: list[str], weights: dict, checkpoint: EpochCheckpoint | None,
+                     state: MasterCheckpoint | None, workers: list) -> str | None:
         for file in weights_files:
-            save_torch_atomically(state.model, file)
-        if path is None:
+            save_torch_atomically(weights, file)
+        if checkpoint is None:
             return None
         # a worker that does not answer: None, as ``RankGroup.sync_states`` (resumed without its residual)
         states = answers_or_none(workers, lambda ref: ray.get(ref, timeout=self.timeout))
-        return str(save_checkpoint(path, state, driver, states))
+        return str(save_checkpoint(checkpoint.path, state, checkpoint.driver, states))
 
     def saved(self) -> str | None:
         """Wait for the files of :meth:`save_epoch`; returns the checkpoint's path (None: nothing was

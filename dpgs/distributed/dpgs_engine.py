@@ -29,7 +29,7 @@ from dpgs.distributed.failures import MasterFailure, WorkerFailure
 from dpgs.distributed.flat import float_buffers
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import probe_sizes
-from dpgs.distributed.messages import ChunkPlan, ShardedScoring, StepPlan
+from dpgs.distributed.messages import ChunkPlan, EpochCheckpoint, ShardedScoring, StepPlan
 from dpgs.distributed.rank_group import ChunkReports, RankGroup
 from dpgs.distributed.schedule import AutoMeasurements, ByteModel, KeepSchedule, step_compute_seconds
 from dpgs.distributed.sharded_eval import evaluate_on_workers, shards_by_length
@@ -335,11 +335,11 @@ class DpgsEngine:
         overlap the driver's logging and the workers' first step (a large state's, the next chunk:
         ``Master.save_epoch``)."""
         files = [str(Path(p).resolve()) for p in end.weights_files]  # the master runs in another directory
-        if self.checkpoint_path is None:
-            self.group.save_epoch(files, None, None)
-            return
-        driver = self._driver_state(end.epoch + 1, 0, end.history)
-        self.group.save_epoch(files, str(self.checkpoint_path), driver)
+        checkpoint = None
+        if self.checkpoint_path is not None:
+            driver = self._driver_state(end.epoch + 1, 0, end.history)
+            checkpoint = EpochCheckpoint(str(self.checkpoint_path), driver)
+        self.group.save_epoch(files, checkpoint)
 
     def wait_saved(self) -> None:
         self.group.wait_saved()

@@ -49,6 +49,15 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class EpochCheckpoint:
+    """The checkpoint that a resumable run's epoch end writes beside its weights files
+    (``Master.save_epoch``): where, and the driver's progress (``dpgs.records``)."""
+
+    path: str
+    driver: dict
+
+
+@dataclass(frozen=True)
 class ChunkPlan:
     """Consecutive steps that the ranks run without the driver; ``after`` is the step that follows the
     chunk in the same epoch (its bags are read ahead), or None; ``score``: bags the workers score once the

@@ -44,7 +44,15 @@ from dpgs.distributed.failures import (
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkProbe
 from dpgs.distributed.mailbox import Mailbox
-from dpgs.distributed.messages import ChunkPlan, ChunkResult, MasterStep, Rehearsal, StepPlan, WorkerStep
+from dpgs.distributed.messages import (
+    ChunkPlan,
+    ChunkResult,
+    EpochCheckpoint,
+    MasterStep,
+    Rehearsal,
+    StepPlan,
+    WorkerStep,
+)
 from dpgs.distributed.rendezvous import Rendezvous
 from dpgs.distributed.runtime import ClusterError
 from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK
@@ -208,16 +216,16 @@ class RankGroup:
         """Master state, the workers' synchronisation states and ``driver``, atomically to ``path``."""
         return self._get(self.master.save_checkpoint.remote(path, driver, self.sync_states()))
 
-    def save_epoch(self, weights_files: list[str], path: str | None, driver: dict | None) -> None:
-        """Have the master write an epoch's weights files and checkpoint (``Master.save_epoch``; ``path``
-        None: the weights files alone) without waiting for them: it copies its state and writes the files
+    def save_epoch(self, weights_files: list[str], checkpoint: EpochCheckpoint | None) -> None:
+        """Have the master write an epoch's weights files and ``checkpoint`` (``Master.save_epoch``; None:
+        the weights files alone) without waiting for them: it copies its state and writes the files
         on a thread while the next chunk runs, taking the workers' states from their object refs (asked
         ahead by :meth:`ask_state`), so neither the driver nor the next chunk waits for the workers' states
         or the disk. :meth:`wait_saved` waits (and is called first here: one epoch's files at most are
         pending)."""
         self.wait_saved()
-        states = [] if path is None else self._sync_state_refs()
-        self.saving = self.master.save_epoch.remote(weights_files, path, driver, states)
+        states = [] if checkpoint is None else self._sync_state_refs()
+        self.saving = self.master.save_epoch.remote(weights_files, checkpoint, states)
 
     @reports_ray_failures("writing the epoch's weights files and checkpoint")
     def wait_saved(self) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from dpgs.config import load_config
 from dpgs.distributed.fold import FoldStart
-from dpgs.distributed.messages import ChunkPlan, StepPlan
+from dpgs.distributed.messages import ChunkPlan, EpochCheckpoint, StepPlan
 from dpgs.distributed.sync import build_sync
 from dpgs.distributed.transport import ChannelBroken
 from dpgs.master import Master
@@ -121,7 +121,8 @@ def test_epoch_files_hold_the_state_save_epoch_was_called_at_though_the_master_s
     gate = hold_back_writes(monkeypatch)
     at_end = {k: v.clone() for k, v in master.model_state().items()}
     driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
-    master.save_epoch([str(tmp_path / "last.pt")], str(tmp_path / "checkpoint.pt"), driver, [])
+    epoch_checkpoint = EpochCheckpoint(str(tmp_path / "checkpoint.pt"), driver)
+    master.save_epoch([str(tmp_path / "last.pt")], epoch_checkpoint, [])
     assert not (tmp_path / "last.pt").exists()  # returned before writing
     master.channel = ScriptedChannel(bodies, fail_on="")
     assert master.run_chunk(ChunkPlan(plan.steps[:1])).interrupted_at is None
@@ -142,8 +143,8 @@ def test_a_checkpoint_waits_for_the_epoch_files_being_written(tmp_path, monkeypa
     master, bodies, plan = master_and_bodies(0.1)
     gate = hold_back_writes(monkeypatch)
     path = str(tmp_path / "checkpoint.pt")
-    master.save_epoch([str(tmp_path / "last.pt")], path, {"epoch": 2, "step_in_epoch": 0, "history": [],
-                                                          "config": {}}, [])
+    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
+    master.save_epoch([str(tmp_path / "last.pt")], EpochCheckpoint(path, driver), [])
     master.channel = ScriptedChannel(bodies, fail_on="")
     master.run_chunk(ChunkPlan(plan.steps[:1]))
     threading.Timer(0.2, gate.set).start()
@@ -157,21 +158,22 @@ def test_a_small_state_writes_its_epoch_files_before_save_epoch_returns(tmp_path
     module = sys.modules[Master.__module__]
     assert module.tensor_bytes(master.state_dict()) < module.BACKGROUND_WRITE_BYTES
     driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
-    master.save_epoch([str(tmp_path / "last.pt")], str(tmp_path / "checkpoint.pt"), driver, [])
+    epoch_checkpoint = EpochCheckpoint(str(tmp_path / "checkpoint.pt"), driver)
+    master.save_epoch([str(tmp_path / "last.pt")], epoch_checkpoint, [])
     assert (tmp_path / "last.pt").is_file() and (tmp_path / "checkpoint.pt").is_file()
     assert master.saved() is None
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["small", "on-the-thread"])
 def test_without_a_checkpoint_path_an_epoch_writes_its_weights_files_alone(tmp_path, monkeypatch, background):
-    """A run that cannot be resumed (a fold of a k-fold command): ``path`` None writes the weights files and
+    """A run that cannot be resumed (a fold of a k-fold command): no checkpoint writes the weights files and
     nothing else, before ``save_epoch`` returns or on the thread, holding the epoch's end though the master
     stepped right after."""
     master, bodies, plan = master_and_bodies(0.1)
     if background:
         monkeypatch.setattr(sys.modules[Master.__module__], "BACKGROUND_WRITE_BYTES", 0)
     at_end = {k: v.clone() for k, v in master.model_state().items()}
-    master.save_epoch([str(tmp_path / "last.pt"), str(tmp_path / "best.pt")], None, None, [])
+    master.save_epoch([str(tmp_path / "last.pt"), str(tmp_path / "best.pt")], None, [])
     master.channel = ScriptedChannel(bodies, fail_on="")
     assert master.run_chunk(ChunkPlan(plan.steps[:1])).interrupted_at is None
     assert master.saved() is None
