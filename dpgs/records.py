@@ -6,7 +6,9 @@ A run directory is ``train.output_dir`` (``output_dir/fold_k`` for each fold of 
     config.yaml           the run's config                    classes.json   class names, output order
     metrics.csv           one row per epoch                   run.json       MLflow run id, experiment, URI
     last.pt, best.pt      model state_dicts                   training_curves.png
-    checkpoint.pt         DPGS only: what ``--resume`` continues (:class:`Checkpoint`)
+    checkpoint.pt         DPGS single-split runs: what ``--resume`` continues (:class:`Checkpoint`)
+    fold_result.json      a finished fold of a k-fold run     kfold.json     in ``output_dir``: the k-fold run
+                          (``dpgs.train.kfold_progress``: what ``--resume`` of a k-fold command keeps)
 
 A DPGS checkpoint is a dict of tensors and plain values (loaded with ``weights_only=True``)::
 
@@ -37,8 +39,11 @@ LAST_WEIGHTS = "last.pt"
 BEST_WEIGHTS = "best.pt"
 CHECKPOINT_FILE = "checkpoint.pt"
 CURVES_FILE = "training_curves.png"
+KFOLD_FILE = "kfold.json"
+FOLD_RESULT_FILE = "fold_result.json"
+RESUME_TARGETS = (CHECKPOINT_FILE, KFOLD_FILE)  # what `--resume RUN_DIR` continues: a directory has one
 RUN_DIR_FILES = (CONFIG_FILE, CLASSES_FILE, BEST_WEIGHTS)  # what makes a directory a trained run
-REPLACED_BY_A_NEW_RUN = (BEST_WEIGHTS, LAST_WEIGHTS, METRICS_FILE, CHECKPOINT_FILE)
+REPLACED_BY_A_NEW_RUN = (BEST_WEIGHTS, LAST_WEIGHTS, METRICS_FILE, FOLD_RESULT_FILE, *RESUME_TARGETS)
 ARTIFACTS = (CONFIG_FILE, CLASSES_FILE, METRICS_FILE, BEST_WEIGHTS)  # logged to MLflow (with the curves)
 
 # ---------------------------------------------------------------- MLflow names
@@ -46,6 +51,8 @@ TAG_MODE = "dpgs.mode"
 TAG_MODEL = "dpgs.model"
 TAG_FOLD = "dpgs.fold"  # the nested run of one fold: its split name
 TAG_KFOLD_PARENT = "dpgs.kfold_parent"  # "true" on the parent run of several splits
+TAG_RESUMED_FROM = "dpgs.resumed_from"  # on a resumed run: the run it continues (k-fold: the parent)
+TAG_FOLDS_KEPT = "dpgs.folds_kept"  # on a resumed k-fold parent: the folds finished before, comma-separated
 TAG_ERROR = "dpgs.error"  # why a run ended FAILED or KILLED
 TAG_KIND = "dpgs.kind"  # "comparison" or "evaluation" for runs that are not trainings
 TAG_EVALUATES = "dpgs.evaluates"  # the training run a `dpgs eval` run evaluates
@@ -193,25 +200,27 @@ def sqlite_store_missing(uri: str) -> Path | None:
     return None if path.is_file() else path
 
 
-def find_checkpoint(target: str, tracking_uri: str) -> Path:
-    """What ``dpgs train --resume TARGET`` continues: a checkpoint file, a run directory holding
-    ``checkpoint.pt``, or an MLflow run id (its run directory's ``checkpoint.pt``)."""
+def find_resume_target(target: str, tracking_uri: str) -> Path:
+    """What ``dpgs train --resume TARGET`` continues: a file (a single-split run's ``checkpoint.pt``, a
+    k-fold command's ``kfold.json``), a run directory holding one of them, or the MLflow run id of such a
+    run (a k-fold command's parent run); CheckpointError naming TARGET when there is none."""
     path = Path(target)
     if path.is_file():
         return path
     if path.is_dir():
-        candidate = path / CHECKPOINT_FILE
-        if candidate.is_file():
-            return candidate
-        raise CheckpointError(f"--resume {target}: no {CHECKPOINT_FILE} in that directory")
+        return _resume_target_in(path, f"--resume {target}")
     try:
         run = mlflow_run(target, tracking_uri, "--resume", "a checkpoint file or run directory")
     except RunLookupError as err:
         raise CheckpointError(str(err)) from None
     run_dir = run_dir_of(run.data.params, run.data.tags)
-    candidate = (run_dir or Path("")) / CHECKPOINT_FILE
-    if run_dir is None or not candidate.is_file():
-        raise CheckpointError(
-            f"--resume {target}: the run's output directory has no {CHECKPOINT_FILE} ({candidate})"
-        )
-    return candidate
+    if run_dir is None or not run_dir.is_dir():
+        raise CheckpointError(f"--resume {target}: the run's output directory {run_dir} does not exist here")
+    return _resume_target_in(run_dir, f"--resume {target} (an MLflow run)")
+
+
+def _resume_target_in(run_dir: Path, what: str) -> Path:
+    for name in RESUME_TARGETS:
+        if (run_dir / name).is_file():
+            return run_dir / name
+    raise CheckpointError(f"{what}: no {' or '.join(RESUME_TARGETS)} in {run_dir}")

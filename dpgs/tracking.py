@@ -105,6 +105,20 @@ class RunTracker:
         with interrupts_deferred():
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    def adopt(self, run_id: str) -> bool:
+        """Nest the run ``run_id`` of the same store and experiment under this one (MLflow's parent tag):
+        a resumed k-fold command's parent takes the fold runs that finished before. False, with a warning,
+        when the store has no such run (the fold's results still count; its MLflow run is gone)."""
+        self.flush()
+        try:
+            with interrupts_deferred():
+                self.client.set_tag(run_id, TAG_PARENT, self.run_id)
+        except MlflowException as err:
+            print(f"[dpgs] warning: MLflow run {run_id} cannot be nested under {self.run_id}: "
+                  f"{err.message.strip()}", file=sys.stderr)
+            return False
+        return True
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log finite metrics (NaN, e.g. AUC of a one-class set, is skipped) in one batch, written by the
         run's writer thread (the module docstring); timestamped now."""

@@ -152,7 +152,7 @@ class Master:
 
     def save_epoch(self, weights_files: list[str], checkpoint: EpochCheckpoint | None, workers: list) -> None:
         """An epoch's end: the weights to each of ``weights_files`` (``last.pt``, ``best.pt``), then the
-        ``checkpoint`` (None: a run that cannot be resumed writes the weights alone); each file atomically.
+        ``checkpoint`` (None: a fold of a k-fold command writes the weights alone); each file atomically.
         ``workers``: object refs of the workers' step-synchronisation states (the checkpoint's). A state of
         ``BACKGROUND_WRITE_BYTES`` or more (the weights, or the checkpoint's whole master state) is copied
         and the files are written on a thread while the next chunk runs (the copy costs a second set of it

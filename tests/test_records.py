@@ -13,7 +13,7 @@ from dpgs.records import (
     TAG_FOLD,
     CheckpointError,
     MasterCheckpoint,
-    find_checkpoint,
+    find_resume_target,
     read_checkpoint,
     run_dir_of,
     save_checkpoint,
@@ -61,19 +61,19 @@ def test_resume_targets(tmp_path):
     run_dir = tmp_path / "run"
     path = save_checkpoint(run_dir / CHECKPOINT_FILE, master_part(), DRIVER, [])
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert find_checkpoint(str(path), uri) == path
-    assert find_checkpoint(str(run_dir), uri) == path
+    assert find_resume_target(str(path), uri) == path
+    assert find_resume_target(str(run_dir), uri) == path
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no checkpoint.pt in that directory"):
-        find_checkpoint(str(tmp_path / "empty"), uri)
+    with pytest.raises(CheckpointError, match="no checkpoint.pt or kfold.json in .*empty"):
+        find_resume_target(str(tmp_path / "empty"), uri)
     with pytest.raises(CheckpointError, match="the tracking store .* does not exist"):
-        find_checkpoint("0123456789abcdef0123456789abcdef", uri)
+        find_resume_target("0123456789abcdef0123456789abcdef", uri)
     tracker = RunTracker.start(uri, "exp")
     tracker.log_params({PARAM_OUTPUT_DIR: str(run_dir)})
     tracker.end()
-    assert find_checkpoint(tracker.run_id, uri) == path
+    assert find_resume_target(tracker.run_id, uri) == path
     with pytest.raises(CheckpointError, match="neither a checkpoint file or run directory nor an MLflow"):
-        find_checkpoint("0123456789abcdef0123456789abcdef", uri)
+        find_resume_target("0123456789abcdef0123456789abcdef", uri)
 
 
 def test_run_directory_of_a_fold_run():

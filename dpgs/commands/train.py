@@ -22,7 +22,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", help="YAML config file (see configs/)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking.uri, sqlite:///mlflow.db)")
     p.add_argument("--address", help="Ray address for train.mode=dpgs: 'auto' or host:port (dpgs.address)")
-    p.add_argument("--resume", help="resume a DPGS run from a checkpoint directory or MLflow run id")
+    p.add_argument("--resume", help="resume a run: a single-split DPGS run from its checkpoint, a k-fold "
+                   "command from its finished folds (the output directory, the file or the MLflow run id)")
     p.add_overrides("overrides", help="dotted config overrides, before, between or after the options")
     return p
 
@@ -43,12 +44,10 @@ def run(args) -> int:
         with signals_interrupt():
             config = load_config(args.config, overrides)
             if args.resume:  # checked against the checkpoint by run_training, before anything is written
-                from dpgs.records import find_checkpoint
+                from dpgs.records import find_resume_target
 
-                checkpoint = find_checkpoint(args.resume, config.tracking.uri)
-                config = config.model_copy(
-                    update={"dpgs": config.dpgs.model_copy(update={"resume": checkpoint})}
-                )
+                target = find_resume_target(args.resume, config.tracking.uri)
+                config = config.model_copy(update={"dpgs": config.dpgs.model_copy(update={"resume": target})})
             if config.data.manifest is None:
                 raise ConfigError("data.manifest is required (set it in the config or as data.manifest=PATH)")
             from dpgs.runner import run_training
@@ -56,7 +55,11 @@ def run(args) -> int:
             result = run_training(config)
     except KeyboardInterrupt as err:
         stopped = err if isinstance(err, Interrupted) else Interrupted(signal.SIGINT)
-        kept = f"; the checkpoints in {config.train.output_dir} are kept" if config is not None else ""
+        kept = ""
+        if config is not None:
+            out = config.train.output_dir
+            kept = (f"; --resume {out} keeps the folds that finished" if config.data.folds > 1
+                    else f"; the checkpoints in {out} are kept")
         print(f"dpgs train: {stopped} (a started MLflow run is marked KILLED{kept})", file=sys.stderr)
         return stopped.exit_code
     except (ConfigError, DataValidationError, ValueError, OSError) as err:

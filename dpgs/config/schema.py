@@ -327,16 +327,17 @@ class Config(Section):
                     f"dpgs.sample_parallel={g} runs the encoder's ranks in float32; model.amp=true (bfloat16 "
                     "autocast) is not supported with it"
                 )
-        if self.dpgs.checkpoint_every and not self.resumable:
+        if self.dpgs.checkpoint_every and not self.writes_checkpoints:
             raise ValueError(
-                f"dpgs.checkpoint_every={self.dpgs.checkpoint_every} writes checkpoints for --resume, which "
-                f"continues single-split runs only: a data.folds={data.folds} command writes none; set "
-                "dpgs.checkpoint_every=0"
+                f"dpgs.checkpoint_every={self.dpgs.checkpoint_every} writes checkpoints within an epoch, "
+                f"which single-split runs write: a data.folds={data.folds} command writes none (--resume "
+                "continues it fold by fold); set dpgs.checkpoint_every=0"
             )
         return self
 
     @property
-    def resumable(self) -> bool:
-        """Whether ``--resume`` can continue this run, and so whether a DPGS run writes checkpoints:
-        single-split runs only (``data.folds=1``; a k-fold command's folds are not resumed one by one)."""
+    def writes_checkpoints(self) -> bool:
+        """Whether a DPGS run writes a checkpoint every epoch (``--resume`` continues it from the last):
+        single-split runs (``data.folds=1``). A k-fold command writes none; ``--resume`` keeps its finished
+        folds and trains the others again (``dpgs.train.kfold_progress``)."""
         return self.data.folds == 1

@@ -9,8 +9,8 @@ that end at checkpoints (``dpgs.checkpoint_every``) and at the epoch's end; the 
 Where the workers' replicas are exactly the master's model, the epoch's last chunk also has them score the
 fold's validation set (``FoldSetup.validation``) once its steps are done, in the same call.
 Per-step reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`).
-Checkpoints (``dpgs.records``) are written only where ``--resume`` can continue the run
-(``Config.resumable``): a fold of a k-fold command writes its weights files alone.
+Checkpoints (``dpgs.records``) are written in single-split runs (``Config.writes_checkpoints``): a fold of
+a k-fold command writes its weights files alone (``--resume`` keeps a k-fold command's finished folds).
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ from dpgs.train.engine import EpochEnd, FoldSetup, Validation
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
 
-NOT_RESUMABLE = "a k-fold command writes no checkpoint (--resume continues single-split runs): run it again"
+
+def kfold_resume_hint(fold_dir: Path) -> str:
+    """What a failure in a fold of a k-fold command (no checkpoint: ``Config.writes_checkpoints``) says."""
+    return (f"a fold of a k-fold command writes no checkpoint: --resume {fold_dir.parent} keeps the folds "
+            f"that finished and trains {fold_dir.name} again")
 
 
 @dataclass
@@ -117,7 +121,7 @@ class DpgsEngine:
         self.eval_lengths = setup.eval_dataset.lengths()  # every instance (eval datasets do not sample)
         self.out_dir = Path(setup.output_dir).resolve()  # the master writes there, from another directory
         # where the master writes the checkpoint; None where no --resume can continue the run (none written)
-        self.checkpoint_path = self.out_dir / CHECKPOINT_FILE if setup.config.resumable else None
+        self.checkpoint_path = self.out_dir / CHECKPOINT_FILE if setup.config.writes_checkpoints else None
         self.hooks = EngineHooks()
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
@@ -198,7 +202,7 @@ class DpgsEngine:
         if self.validation is not None and len(reports.scored) == len(self.group.workers):
             self.validated = Predictions.merge(list(reports.scored.values()), list(self.validation.indices))
         self.skip_steps = 0
-        # the trainer's next asks, answered during validation: the checkpoint's residuals (a resumable
+        # the trainer's next asks, answered during validation: the checkpoint's residuals (a single-split
         # run's), the weights for validation on inexact replicas
         self.group.ask_state(weights=not self.replicas_exact, sync_states=self.checkpoint_path is not None)
         if self.keep.auto:
@@ -222,13 +226,13 @@ class DpgsEngine:
             done = self.group.run(ChunkPlan(tuple(chunk), following, score))
         except WorkerFailure as err:
             if self.checkpoint_path is None:
-                raise WorkerFailure(f"{err}; {NOT_RESUMABLE}") from err
+                raise WorkerFailure(f"{err}; {kfold_resume_hint(self.out_dir)}") from err
             path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
         except MasterFailure as err:
             path = self.checkpoint_path
             if path is None:
-                last = NOT_RESUMABLE
+                last = kfold_resume_hint(self.out_dir)
             elif path.is_file():
                 last = f"resume from {path} with --resume"
             else:
@@ -330,7 +334,7 @@ class DpgsEngine:
 
     def save_epoch(self, end: EpochEnd) -> None:
         """The master writes the weights files and the checkpoint that resumes at epoch ``end.epoch + 1``
-        (a run that cannot be resumed: the weights files alone) while the driver goes on
+        (a fold of a k-fold command: the weights files alone) while the driver goes on
         (``RankGroup.save_epoch``): per epoch, the weights no longer travel to the driver, and the writes
         overlap the driver's logging and the workers' first step (a large state's, the next chunk:
         ``Master.save_epoch``)."""

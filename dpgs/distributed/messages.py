@@ -50,7 +50,7 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class EpochCheckpoint:
-    """The checkpoint that a resumable run's epoch end writes beside its weights files
+    """The checkpoint that a single-split run's epoch end writes beside its weights files
     (``Master.save_epoch``): where, and the driver's progress (``dpgs.records``)."""
 
     path: str

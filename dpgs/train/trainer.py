@@ -3,6 +3,8 @@
 ``train_splits(config, session)`` validates all inputs first (nothing is written when they are bad), then
 trains one run, or a parent run with one nested run per fold when ``data.folds > 1``, with the engines of
 ``session`` (:class:`~dpgs.train.engine.Session`; ``dpgs.runner.run_training`` picks it from the mode).
+``--resume`` continues a single-split DPGS run from its checkpoint, and a k-fold command of any mode from
+its finished folds (:mod:`dpgs.train.kfold_progress`).
 
 Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives the run records of ``dpgs.records``
 (config, classes, metrics per epoch, last and best weights, curves, and ``run.json`` with the fold's MLflow
@@ -49,16 +51,29 @@ from dpgs.records import (
     PARAM_STEPS_PER_EPOCH,
     REPLACED_BY_A_NEW_RUN,
     TAG_FOLD,
+    TAG_FOLDS_KEPT,
     TAG_KFOLD_PARENT,
     TAG_MODE,
     TAG_MODEL,
+    TAG_RESUMED_FROM,
     Checkpoint,
+    recorded_run_id,
     write_run_file,
 )
 from dpgs.tracking import RunTracker
 from dpgs.train.batching import epoch_batches
 from dpgs.train.engine import Engine, EpochEnd, FoldSetup, Session, Validation
 from dpgs.train.evaluate import EvalPlan, validation_protocol
+from dpgs.train.kfold_progress import (
+    FinishedFold,
+    KeptFold,
+    KfoldRecord,
+    finished_folds,
+    forget_finished_folds,
+    split_digest,
+    write_finished_fold,
+    write_kfold_record,
+)
 from dpgs.train.optim import class_weights_for
 from dpgs.train.resume_check import check_resume, check_resume_classes
 from dpgs.train.steps import check_mode_supported
@@ -251,7 +266,7 @@ def cv_summary(folds: list[FoldResult]) -> dict[str, float]:
     return out
 
 
-def prepare_output_dir(config: Config, out_dir: Path, classes: list[str]) -> None:
+def prepare_output_dir(config: Config, out_dir: Path, classes: list[str], resuming: bool) -> None:
     """Make ``out_dir`` ready for one split (the caller holds the lock of ``train.output_dir``).
 
     Temporary files of a killed writer are removed. A new run removes an earlier run's outputs and writes
@@ -262,7 +277,6 @@ def prepare_output_dir(config: Config, out_dir: Path, classes: list[str]) -> Non
     removed = remove_temporaries(out_dir)
     if removed:
         print(f"[dpgs] removed {len(removed)} temporary file(s) left by an interrupted write in {out_dir}")
-    resuming = config.dpgs.resume is not None
     if not resuming:
         for stale in REPLACED_BY_A_NEW_RUN:
             (out_dir / stale).unlink(missing_ok=True)
@@ -287,64 +301,100 @@ def train_splits(config: Config, session: Session) -> TrainingResult:
     """Check everything, then train every split with ``session``'s engines; returns the (parent) run id and
     the results. The caller owns ``session`` (and closes it).
 
-    Before anything is written or started: a resume is checked against its checkpoint
+    Before anything is written or started: a resume is checked against the run it continues
     (:mod:`dpgs.train.resume_check`), every input is validated and the model is built once. Then
     ``train.output_dir`` is locked for the whole run (:mod:`dpgs.outputs`). A run that does not finish is
     ended in MLflow as KILLED (interrupted) or FAILED (:meth:`RunTracker.fail`); its checkpoints stay.
     """
-    checkpoint = check_resume(config)
+    resume = check_resume(config)
     data = load_experiment_data(config.data, seed=config.seed)
     check_model(config, data)
-    if checkpoint is not None:
-        check_resume_classes(Path(config.train.output_dir), data.manifest.classes)
+    if resume is not None:
+        check_resume_classes(resume, Path(config.train.output_dir), data.manifest.classes)
     with locked_output_dir(config.train.output_dir) as root:
-        return _train_splits(config, session, data, root, checkpoint)
+        if len(data.splits) == 1:
+            return _train_single_split(config, session, data, root, resume)
+        return _train_folds(config, session, data, root, resume)
 
 
-def _train_splits(config: Config, session: Session, data: ExperimentData, root: Path,
-                  checkpoint: Checkpoint | None) -> TrainingResult:
-    tags = {TAG_MODE: config.train.mode, TAG_MODEL: config.model.name}
+def _run_tags(config: Config) -> dict[str, str]:
+    return {TAG_MODE: config.train.mode, TAG_MODEL: config.model.name}
+
+
+def _run_params(config: Config, data: ExperimentData) -> dict:
     params = flatten(config_to_dict(config))
     params["classes"] = json.dumps(data.manifest.classes)
-    uri, experiment = config.tracking.uri, config.experiment
+    return params
+
+
+def _train_single_split(config: Config, session: Session, data: ExperimentData, root: Path,
+                        checkpoint: Checkpoint | None) -> TrainingResult:
     start = time.perf_counter()
-    if len(data.splits) == 1:
-        tracker = RunTracker.start(uri, experiment, config.tracking.run_name, tags)
-        try:
-            tracker.log_params(params)
-            prepare_output_dir(config, root, data.manifest.classes)
-            fold = FoldTrainer(
-                config, data.dataset, data.manifest.classes, data.splits[0], root, data.eval_dataset
-            ).run(tracker, session, checkpoint)
-        except BaseException as err:
-            tracker.fail(err)
-            raise
-        tracker.log_metrics({"total_seconds": time.perf_counter() - start})
-        tracker.end()
-        return TrainingResult(tracker.run_id, [fold], fold.test_metrics)
-    parent = RunTracker.start(
-        uri, experiment, config.tracking.run_name, {**tags, TAG_KFOLD_PARENT: "true"}
-    )
+    tags = _run_tags(config)
+    continued = recorded_run_id(root) if checkpoint is not None else None
+    if continued is not None:
+        tags[TAG_RESUMED_FROM] = continued
+    tracker = RunTracker.start(config.tracking.uri, config.experiment, config.tracking.run_name, tags)
+    try:
+        tracker.log_params(_run_params(config, data))
+        prepare_output_dir(config, root, data.manifest.classes, resuming=checkpoint is not None)
+        fold = FoldTrainer(
+            config, data.dataset, data.manifest.classes, data.splits[0], root, data.eval_dataset
+        ).run(tracker, session, checkpoint)
+    except BaseException as err:
+        tracker.fail(err)
+        raise
+    tracker.log_metrics({"total_seconds": time.perf_counter() - start})
+    tracker.end()
+    return TrainingResult(tracker.run_id, [fold], fold.test_metrics)
+
+
+def _train_folds(config: Config, session: Session, data: ExperimentData, root: Path,
+                 record: KfoldRecord | None) -> TrainingResult:
+    """Every split of a k-fold command under one parent run, each in ``root/<split>`` as a nested run.
+
+    A resume (``record``) keeps the folds that finished (:mod:`dpgs.train.kfold_progress`): their results
+    count in the summary and their MLflow runs move under the new parent run. A new command forgets the
+    finished folds of an earlier one in ``root`` (and its single-split run's files) before it starts.
+    """
+    start = time.perf_counter()
+    uri, experiment, classes = config.tracking.uri, config.experiment, data.manifest.classes
+    if record is None:
+        kept = {}
+        for stale in REPLACED_BY_A_NEW_RUN:
+            (root / stale).unlink(missing_ok=True)
+        forget_finished_folds(root, data.splits)
+    else:
+        kept = finished_folds(root, data.splits, data.dataset)
+    tags = {**_run_tags(config), TAG_KFOLD_PARENT: "true"}
+    if record is not None:
+        tags.update({TAG_RESUMED_FROM: record.parent_run_id, TAG_FOLDS_KEPT: ",".join(kept)})
+    parent = RunTracker.start(uri, experiment, config.tracking.run_name, tags)
+    params = _run_params(config, data)
     folds = []
     try:
         parent.log_params(params)
+        write_kfold_record(root, KfoldRecord(parent.run_id, config_to_dict(config), classes))
         for split in data.splits:
             out_dir = root / split.name
-            child = RunTracker.start(
-                uri, experiment, split.name, {**tags, TAG_FOLD: split.name}, parent=parent
-            )
+            if split.name in kept:
+                folds.append(_kept_fold(kept[split.name], parent))
+                continue
+            child = RunTracker.start(uri, experiment, split.name, {**_run_tags(config), TAG_FOLD: split.name},
+                                     parent=parent)
             try:
                 child.log_params(params)
-                prepare_output_dir(config, out_dir, data.manifest.classes)
-                folds.append(
-                    FoldTrainer(
-                        config, data.dataset, data.manifest.classes, split, out_dir, data.eval_dataset
-                    ).run(child, session)
+                prepare_output_dir(config, out_dir, classes, resuming=False)
+                fold = FoldTrainer(config, data.dataset, classes, split, out_dir, data.eval_dataset).run(
+                    child, session
                 )
             except BaseException as err:
                 child.fail(err)
                 raise
             child.end()
+            write_finished_fold(out_dir, FinishedFold(split.name, child.run_id, fold.best_epoch,
+                                                      fold.test_metrics, split_digest(split, data.dataset)))
+            folds.append(fold)
     except BaseException as err:
         parent.fail(err)
         raise
@@ -353,3 +403,13 @@ def _train_splits(config: Config, session: Session, data: ExperimentData, root: 
     parent.log_metrics(summary)
     parent.end()
     return TrainingResult(parent.run_id, folds, summary)
+
+
+def _kept_fold(kept: KeptFold, parent: RunTracker) -> FoldResult:
+    """A fold that finished before the resume: its MLflow run nested under ``parent``, its result."""
+    result = kept.result
+    parent.adopt(result.run_id)
+    metrics = ", ".join(f"{k}={v:.4f}" for k, v in result.test_metrics.items() if k.startswith("test_"))
+    print(f"[{result.name}] finished before the resume (MLflow run {result.run_id}): kept; {metrics}")
+    return FoldResult(result.name, result.run_id, kept.fold_dir, result.best_epoch, result.test_metrics,
+                      kept.history)

@@ -80,12 +80,12 @@ def test_momentum_correction_with_plain_sgd_is_accepted():
 
 
 def test_checkpoints_within_epochs_are_refused_for_a_kfold_command():
-    """``--resume`` continues single-split runs, so a k-fold command writes no checkpoint: asking it for
-    some every N steps is refused, naming both keys; a single split keeps them."""
+    """A k-fold command writes no checkpoint (``--resume`` continues it fold by fold): asking it for some
+    every N steps is refused, naming both keys; a single split keeps them."""
     with pytest.raises(ConfigError) as err:
         load_config(None, ["data.folds=5", "dpgs.checkpoint_every=10"])
     text = str(err.value)
     assert "dpgs.checkpoint_every=10" in text and "data.folds=5" in text and "single-split" in text
-    assert not load_config(None, ["data.folds=5"]).resumable
+    assert not load_config(None, ["data.folds=5"]).writes_checkpoints
     single = load_config(None, ["dpgs.checkpoint_every=10"])
-    assert single.resumable and single.dpgs.checkpoint_every == 10
+    assert single.writes_checkpoints and single.dpgs.checkpoint_every == 10

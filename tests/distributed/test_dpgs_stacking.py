@@ -324,9 +324,9 @@ def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tm
     assert checkpoint["driver"]["step_in_epoch"] == 0 and checkpoint["master"]["step"] == 0
 
 
-def test_workers_dying_past_the_limit_in_a_kfold_command_say_it_is_not_resumable(ray_cluster, bags, tmp_path):
-    """A fold of a k-fold command writes no checkpoint (``--resume`` continues single-split runs): a failure
-    past the restart limit writes none either, and says to run the command again."""
+def test_workers_dying_past_the_limit_in_a_kfold_command_say_how_to_resume_it(ray_cluster, bags, tmp_path):
+    """A fold of a k-fold command writes no checkpoint (``--resume`` continues the command fold by fold): a
+    failure past the restart limit writes none either, and names the directory to resume and the fold."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "data.folds=2",
                          "data.val_fraction=0", "dpgs.max_worker_restarts=0", "dpgs.call_timeout_s=30")
     (tmp_path / "run").mkdir()
@@ -335,7 +335,8 @@ def test_workers_dying_past_the_limit_in_a_kfold_command_say_it_is_not_resumable
     def kill(group, pids):
         os.kill(pids[1], signal.SIGKILL)
 
-    with pytest.raises(WorkerFailure, match=r"worker 1 failed 1 times.*writes no checkpoint.*run it again"):
+    hint = f"writes no checkpoint: --resume {tmp_path} keeps the folds that finished and trains run again"
+    with pytest.raises(WorkerFailure, match=f"worker 1 failed 1 times.*{hint}"):
         dpgs_run(config, data, [[0, 1, 2, 3]], after_submit=kill)
     assert not (tmp_path / "run" / CHECKPOINT_FILE).exists()
 
@@ -434,8 +435,8 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
 
 def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, tmp_path, monkeypatch):
     """Two folds in one command: the same worker processes serve both (started once), and the second fold
-    ends exactly as a command that trains only that split (state reset between folds). A k-fold command
-    cannot be resumed, so its folds write their weights files and no checkpoint."""
+    ends exactly as a command that trains only that split (state reset between folds). A k-fold command's
+    folds write their weights files and no checkpoint (``--resume`` continues it fold by fold)."""
     from dpgs.distributed.rank_group import RankGroup
     from dpgs.train import trainer
 

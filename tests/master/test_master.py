@@ -166,8 +166,8 @@ def test_a_small_state_writes_its_epoch_files_before_save_epoch_returns(tmp_path
 
 @pytest.mark.parametrize("background", [False, True], ids=["small", "on-the-thread"])
 def test_without_a_checkpoint_path_an_epoch_writes_its_weights_files_alone(tmp_path, monkeypatch, background):
-    """A run that cannot be resumed (a fold of a k-fold command): no checkpoint writes the weights files and
-    nothing else, before ``save_epoch`` returns or on the thread, holding the epoch's end though the master
+    """A fold of a k-fold command writes no checkpoint: no checkpoint writes the weights files and nothing
+    else, before ``save_epoch`` returns or on the thread, holding the epoch's end though the master
     stepped right after."""
     master, bodies, plan = master_and_bodies(0.1)
     if background:

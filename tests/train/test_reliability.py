@@ -22,7 +22,7 @@ from dpgs.cli import main
 from dpgs.config import config_to_dict, save_config
 from dpgs.errors import RunFailure
 from dpgs.outputs import LOCK_NAME, locked_output_dir
-from dpgs.records import MasterCheckpoint, save_checkpoint
+from dpgs.records import MasterCheckpoint, save_checkpoint, write_run_file
 from dpgs.train.local_engine import LocalSession
 from dpgs.train.resume_check import ResumeError
 from dpgs.train.trainer import train_splits
@@ -122,6 +122,7 @@ def test_resume_allows_epochs_tracking_timeouts_and_keeps_config_yaml(bags, tmp_
     out = tmp_path / "run"
     original = make_config(*bags, out, *DPGS)
     write_checkpoint(original, out)
+    write_run_file(out, "0123abcd", original.experiment, original.tracking.uri)  # the run it continues
     config_before = (out / "config.yaml").read_bytes()
     new = resumed("train.epochs=5", "tracking.run_name=more", "dpgs.call_timeout_s=30",
                   "dpgs.max_worker_restarts=1", "data.prefetch=1", "experiment=other", bags=bags, out=out)
@@ -130,6 +131,7 @@ def test_resume_allows_epochs_tracking_timeouts_and_keeps_config_yaml(bags, tmp_
     assert (out / "config.yaml").read_bytes() == config_before
     (run,) = runs_in(new.tracking.uri)
     assert run.info.status == "FAILED" and run.info.run_name == "more"
+    assert run.data.tags["dpgs.resumed_from"] == "0123abcd"
 
 
 def test_resume_with_cosine_schedule_refuses_more_epochs(bags, tmp_path):
