@@ -105,10 +105,10 @@ class RunTracker:
         with interrupts_deferred():
             self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def adopt(self, run_id: str) -> bool:
+    def adopt(self, run_id: str) -> None:
         """Nest the run ``run_id`` of the same store and experiment under this one (MLflow's parent tag):
-        a resumed k-fold command's parent takes the fold runs that finished before. False, with a warning,
-        when the store has no such run (the fold's results still count; its MLflow run is gone)."""
+        a resumed k-fold command's parent takes the fold runs that finished before. A store without that
+        run (deleted by hand) gets a warning: the fold's results still count, from its files."""
         self.flush()
         try:
             with interrupts_deferred():
@@ -116,8 +116,6 @@ class RunTracker:
         except MlflowException as err:
             print(f"[dpgs] warning: MLflow run {run_id} cannot be nested under {self.run_id}: "
                   f"{err.message.strip()}", file=sys.stderr)
-            return False
-        return True
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Log finite metrics (NaN, e.g. AUC of a one-class set, is skipped) in one batch, written by the

@@ -177,3 +177,20 @@ def test_resume_finds_a_kfold_command_by_directory_file_or_parent_run(bags, tmp_
     record.write_text(json.dumps({"format": 99}))
     with pytest.raises(CheckpointError, match=f"{record} is not a k-fold record of format 1"):
         train_splits(resume_of(config), None)
+
+
+def test_a_kept_fold_whose_mlflow_run_was_deleted_still_counts(bags, tmp_path, monkeypatch, capsys):
+    """The fold's files are what a resume keeps; a run deleted from the store by hand is only warned of."""
+    out = tmp_path / "cv"
+    config = finished_command(bags, out, monkeypatch)
+    client = MlflowClient(config.tracking.uri)
+    kept_run = json.loads((out / "fold_0" / "fold_result.json").read_text())["run_id"]
+    client.delete_run(kept_run)
+    capsys.readouterr()
+    assert main([*train_args(bags, out), "--resume", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert f"warning: MLflow run {kept_run} cannot be nested under" in printed.err
+    assert "[fold_0] finished before the resume" in printed.out
+    parent = client.get_run(json.loads((out / "kfold.json").read_text())["parent_run_id"])
+    assert parent.info.status == "FINISHED" and "cv_mean_test_auc" in parent.data.metrics
+    assert children_of(client, parent) == {"fold_1": "FINISHED", "fold_2": "FINISHED"}
