@@ -266,6 +266,13 @@ def cv_summary(folds: list[FoldResult]) -> dict[str, float]:
     return out
 
 
+def remove_earlier_run(out_dir: Path) -> None:
+    """Remove the outputs of an earlier run in ``out_dir`` that a new run replaces
+    (``REPLACED_BY_A_NEW_RUN``: its weights, metrics and what ``--resume`` would continue)."""
+    for stale in REPLACED_BY_A_NEW_RUN:
+        (out_dir / stale).unlink(missing_ok=True)
+
+
 def prepare_output_dir(config: Config, out_dir: Path, classes: list[str], resuming: bool) -> None:
     """Make ``out_dir`` ready for one split (the caller holds the lock of ``train.output_dir``).
 
@@ -278,8 +285,7 @@ def prepare_output_dir(config: Config, out_dir: Path, classes: list[str], resumi
     if removed:
         print(f"[dpgs] removed {len(removed)} temporary file(s) left by an interrupted write in {out_dir}")
     if not resuming:
-        for stale in REPLACED_BY_A_NEW_RUN:
-            (out_dir / stale).unlink(missing_ok=True)
+        remove_earlier_run(out_dir)
     if not resuming or not (out_dir / CONFIG_FILE).is_file():
         save_config(config, out_dir / CONFIG_FILE)
     if not resuming or not (out_dir / CLASSES_FILE).is_file():
@@ -361,8 +367,7 @@ def _train_folds(config: Config, session: Session, data: ExperimentData, root: P
     uri, experiment, classes = config.tracking.uri, config.experiment, data.manifest.classes
     if record is None:
         kept = {}
-        for stale in REPLACED_BY_A_NEW_RUN:
-            (root / stale).unlink(missing_ok=True)
+        remove_earlier_run(root)
         forget_finished_folds(root, data.splits)
     else:
         kept = finished_folds(root, data.splits, data.dataset)
