@@ -1,4 +1,4 @@
-"""Run records: the files a run writes, the DPGS checkpoint format, the MLflow names every command uses,
+"""Run records: the files a run writes, the checkpoint format, the MLflow names every command uses,
 and the way from an MLflow run id to its run directory. Every mode writes and reads through these names.
 
 A run directory is ``train.output_dir`` (``output_dir/fold_k`` for each fold of a k-fold run)::
@@ -6,17 +6,22 @@ A run directory is ``train.output_dir`` (``output_dir/fold_k`` for each fold of 
     config.yaml           the run's config                    classes.json   class names, output order
     metrics.csv           one row per epoch                   run.json       MLflow run id, experiment, URI
     last.pt, best.pt      model state_dicts                   training_curves.png
-    checkpoint.pt         DPGS single-split runs: what ``--resume`` continues (:class:`Checkpoint`)
+    checkpoint.pt         single-split runs: what ``--resume`` continues (:class:`Checkpoint`)
     fold_result.json      a finished fold of a k-fold run     kfold.json     in ``output_dir``: the k-fold run
                           (``dpgs.train.kfold_progress``: what ``--resume`` of a k-fold command keeps)
 
-A DPGS checkpoint is a dict of tensors and plain values (loaded with ``weights_only=True``)::
+A checkpoint is a dict of tensors and plain values (loaded with ``weights_only=True``)::
 
     {"format": CHECKPOINT_FORMAT,
      "master":  {"model", "optimizer", "step", "sync"},             MasterCheckpoint
      "driver":  {"epoch", "step_in_epoch", "history", "config",      where the driver stood
-                 "worker_restarts", "seed"},
+                 DPGS: "worker_restarts", "seed", "keep_ratio", ...;
+                 single process: "rng"},
      "workers": [each worker's step-synchronisation state, or None]}
+
+A single-process run (``dpgs.train.local_engine``) writes the same shape: the process holds the master's
+part (``sync`` empty), ``workers`` is empty and ``driver["rng"]`` holds the random states of its next
+epoch. The resume check refuses another ``train.mode``, so each engine reads only its own kind.
 
 MLflow: params are the flattened config plus :data:`RUN_PARAMS`; tags are the ``TAG_*`` names below.
 """
@@ -84,7 +89,7 @@ class MasterCheckpoint:
 
 @dataclass
 class Checkpoint:
-    """A DPGS checkpoint as read back (module docstring); ``driver`` as the driver wrote it."""
+    """A checkpoint as read back (module docstring); ``driver`` as the driver wrote it."""
 
     master: MasterCheckpoint
     driver: dict
@@ -127,7 +132,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     master, driver = parts.get("master"), parts.get("driver")
     if not (isinstance(master, dict) and isinstance(driver, dict) and all(k in driver for k in DRIVER_KEYS)):
         raise CheckpointError(
-            f"--resume: {path} is not a DPGS checkpoint (expected 'master' and 'driver' with "
+            f"--resume: {path} is not a dpgs checkpoint (expected 'master' and 'driver' with "
             f"{', '.join(DRIVER_KEYS)})"
         )
     if parts.get("format") != CHECKPOINT_FORMAT:

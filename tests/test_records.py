@@ -48,7 +48,7 @@ def test_unreadable_checkpoints_are_refused_naming_the_file(tmp_path):
         read_checkpoint(corrupt)
     foreign = tmp_path / "foreign.pt"
     torch.save({"model": {}}, foreign)
-    with pytest.raises(CheckpointError, match=f"{foreign} is not a DPGS checkpoint"):
+    with pytest.raises(CheckpointError, match=f"{foreign} is not a dpgs checkpoint"):
         read_checkpoint(foreign)
     older = tmp_path / "older.pt"
     torch.save({"format": 2, "master": {"model": {}}, "driver": DRIVER, "workers": []}, older)

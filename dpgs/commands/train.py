@@ -22,8 +22,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", help="YAML config file (see configs/)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: tracking.uri, sqlite:///mlflow.db)")
     p.add_argument("--address", help="Ray address for train.mode=dpgs: 'auto' or host:port (dpgs.address)")
-    p.add_argument("--resume", help="resume a run: a single-split DPGS run from its checkpoint, a k-fold "
-                   "command from its finished folds (the output directory, the file or the MLflow run id)")
+    p.add_argument("--resume", help="resume a run, in any mode: a single-split run from its last epoch's "
+                   "checkpoint, a k-fold command from its finished folds (the output directory, the file or "
+                   "the MLflow run id)")
     p.add_overrides("overrides", help="dotted config overrides, before, between or after the options")
     return p
 
@@ -59,7 +60,7 @@ def run(args) -> int:
         if config is not None:
             out = config.train.output_dir
             kept = (f"; --resume {out} keeps the folds that finished" if config.data.folds > 1
-                    else f"; the checkpoints in {out} are kept")
+                    else f"; --resume {out} continues from its last checkpoint")
         print(f"dpgs train: {stopped} (a started MLflow run is marked KILLED{kept})", file=sys.stderr)
         return stopped.exit_code
     except (ConfigError, DataValidationError, ValueError, OSError) as err:

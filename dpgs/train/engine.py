@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from dpgs.config.schema import Config
+from dpgs.records import Checkpoint
 from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
@@ -51,8 +52,9 @@ class FoldSetup:
 @dataclass(frozen=True)
 class EpochEnd:
     """What is saved when an epoch ends: the current weights to every file of ``weights_files`` (``last.pt``,
-    and ``best.pt`` when the epoch improved the monitored metric), then, where the engine can resume, the
-    checkpoint that continues at the start of epoch ``epoch + 1`` with ``history`` (every epoch's row)."""
+    and ``best.pt`` when the epoch improved the monitored metric), then, in a single-split run
+    (``Config.writes_checkpoints``), the checkpoint that continues at the start of epoch ``epoch + 1`` with
+    ``history`` (every epoch's row)."""
 
     epoch: int
     history: list[dict]
@@ -81,8 +83,9 @@ class Engine(Protocol):
         """Return once everything :meth:`save_epoch` was asked to write is written; raise what writing it
         raised (``OSError`` naming the file)."""
 
-    def restore(self, checkpoint: dict) -> dict:
-        """Continue from ``checkpoint``; returns its driver part (``epoch``, ``history``)."""
+    def restore(self, checkpoint: Checkpoint) -> dict:
+        """Continue from ``checkpoint`` (one that this kind of engine wrote: the resume check compares
+        ``train.mode``); returns its driver part (``epoch``, ``history``)."""
 
     def final_metrics(self) -> dict:
         """Metrics logged once at the end of the fold (for example ``worker_restarts``)."""

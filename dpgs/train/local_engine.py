@@ -3,6 +3,13 @@
 Gradient accumulation over ``accumulation_steps`` batches back-propagates ``loss / accumulation_steps``
 and zeroes gradients only after the optimizer step that consumed them. A partial accumulation window at
 the end of an epoch is rescaled to the mean over the batches it holds and applied.
+
+A single-split run writes ``checkpoint.pt`` at every epoch's end (``dpgs.records``' format, the process
+in the master's place: its weights, optimizer and steps taken; no step synchronisation, no workers). The
+driver's part also holds the random states that the next epoch draws from: torch's default generator
+(dropout; on CUDA the device's too) and the generator of ``train.mode=sampling``. Batches, learning rates and tile samples follow
+from the seed and the epoch, so a run resumed from the checkpoint takes the steps an uninterrupted run
+takes, bit for bit on the same machine.
 """
 
 from __future__ import annotations
@@ -10,18 +17,31 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from dpgs.config import config_to_dict
 from dpgs.config.schema import TrainConfig
 from dpgs.data import Prefetcher
 from dpgs.modeling import input_to
 from dpgs.outputs import save_torch_atomically
+from dpgs.records import CHECKPOINT_FILE, Checkpoint, MasterCheckpoint, save_checkpoint
 from dpgs.train.engine import EpochEnd, FoldSetup
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import build_optimizer, clip_coefficient, grad_norm, learning_rate, optimizer_step
 from dpgs.train.steps import batch_loss, check_mode_supported
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """Where a run's epoch-end checkpoint goes, and the run's config that it records (what ``--resume``
+    compares its own config with, ``dpgs.train.resume_check``)."""
+
+    path: Path
+    config: dict
 
 
 class LocalSession:
@@ -29,15 +49,19 @@ class LocalSession:
 
     def engine(self, setup: FoldSetup) -> LocalEngine:
         cfg = setup.config
+        target = None
+        if cfg.writes_checkpoints:
+            target = CheckpointTarget(setup.output_dir / CHECKPOINT_FILE, config_to_dict(cfg))
         return LocalEngine(setup.model, cfg.train, setup.device, setup.class_weights, cfg.seed, setup.dataset,
-                           cfg.data.prefetch, setup.eval_dataset)
+                           cfg.data.prefetch, setup.eval_dataset, target)
 
     def close(self) -> None:
         """Nothing to release."""
 
 
 class LocalEngine:
-    """Trains ``model`` in-process on batches of loaded bags."""
+    """Trains ``model`` in-process on batches of loaded bags; writes ``checkpoint`` (when given) at every
+    epoch's end."""
 
     def __init__(
         self,
@@ -49,6 +73,7 @@ class LocalEngine:
         dataset,
         prefetch: int = 2,
         eval_dataset=None,
+        checkpoint: CheckpointTarget | None = None,
     ):
         check_mode_supported(model, cfg.mode)
         self.model = model.to(device)
@@ -61,6 +86,7 @@ class LocalEngine:
         self.dataset = dataset
         self.eval_dataset = dataset if eval_dataset is None else eval_dataset
         self.prefetch = prefetch
+        self.checkpoint = checkpoint
         self.pending = 0  # batches back-propagated since the last optimizer step
         self.steps = 0
         self.lr = cfg.lr  # learning rate of the next optimizer step
@@ -133,17 +159,47 @@ class LocalEngine:
         return self.model.state_dict()
 
     def save_epoch(self, end: EpochEnd) -> None:
-        """The weights files, written before this returns (single-process runs are not resumable mid-run:
-        ``last.pt``/``best.pt`` hold their weights)."""
+        """The weights files, then the checkpoint that resumes at epoch ``end.epoch + 1`` (module
+        docstring), each written atomically before this returns."""
         weights = self.model.state_dict()
         for path in end.weights_files:
             save_torch_atomically(weights, path)
+        if self.checkpoint is None:
+            return
+        master = MasterCheckpoint(weights, self.optimizer.state_dict(), self.steps, sync={})
+        driver = {
+            "epoch": end.epoch + 1,
+            "step_in_epoch": 0,
+            "history": end.history,
+            "config": self.checkpoint.config,
+            "rng": self._random_states(),
+        }
+        save_checkpoint(self.checkpoint.path, master, driver, workers=[])
 
     def wait_saved(self) -> None:
         """Nothing is pending: :meth:`save_epoch` writes before it returns."""
 
-    def restore(self, checkpoint: dict) -> dict:
-        raise ValueError("--resume needs train.mode=dpgs (single-process runs restart from best.pt)")
+    def restore(self, checkpoint: Checkpoint) -> dict:
+        """Continue from ``checkpoint`` (written by :meth:`save_epoch`): weights, optimizer, steps taken and
+        the random states; returns its driver part."""
+        driver = checkpoint.driver
+        self.model.load_state_dict(checkpoint.master.model)
+        self.optimizer.load_state_dict(checkpoint.master.optimizer)
+        self.steps = checkpoint.master.step
+        rng = driver["rng"]
+        torch.set_rng_state(rng["torch"])
+        self.sample_gen.set_state(rng["sampling"])
+        if self.device.type == "cuda" and "cuda" in rng:  # a run resumed on another device draws afresh
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        return driver
+
+    def _random_states(self) -> dict:
+        """What the next epoch draws from: torch's default generator (and the device's, on CUDA), and the
+        bag sampler's."""
+        states = {"torch": torch.get_rng_state(), "sampling": self.sample_gen.get_state()}
+        if self.device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(self.device)
+        return states
 
     def final_metrics(self) -> dict:
         return {}

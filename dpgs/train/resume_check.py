@@ -3,7 +3,7 @@
 ``--resume`` continues one of two things (``dpgs.records.find_resume_target``), each carrying the config
 of the run that wrote it:
 
-* a single-split DPGS run from its last checkpoint (``train.output_dir/checkpoint.pt``, format in
+* a single-split run of any mode from its last checkpoint (``train.output_dir/checkpoint.pt``, format in
   ``dpgs.records``; ``read_checkpoint`` loads it);
 * a k-fold command (``data.folds > 1``, any mode) from its finished folds (``train.output_dir/kfold.json``,
   ``dpgs.train.kfold_progress``).
@@ -132,9 +132,6 @@ def check_resume(config: Config) -> Checkpoint | KfoldRecord | None:
         return None
     path = Path(config.dpgs.resume)
     kfold = path.name == KFOLD_FILE
-    if not kfold and config.train.mode != "dpgs":
-        raise ResumeError("--resume of a single-split run needs train.mode=dpgs (single-process runs restart "
-                          "from best.pt; a k-fold command of any mode resumes from its kfold.json)")
     saved = read_kfold_record(path) if kfold else read_checkpoint(path)
     out_dir = Path(config.train.output_dir)
     if out_dir.resolve() != path.parent.resolve():

@@ -3,8 +3,8 @@
 ``train_splits(config, session)`` validates all inputs first (nothing is written when they are bad), then
 trains one run, or a parent run with one nested run per fold when ``data.folds > 1``, with the engines of
 ``session`` (:class:`~dpgs.train.engine.Session`; ``dpgs.runner.run_training`` picks it from the mode).
-``--resume`` continues a single-split DPGS run from its checkpoint, and a k-fold command of any mode from
-its finished folds (:mod:`dpgs.train.kfold_progress`).
+``--resume`` continues a single-split run from its last epoch's checkpoint, and a k-fold command from its
+finished folds (:mod:`dpgs.train.kfold_progress`), in every mode.
 
 Per fold, ``train.output_dir`` (or ``output_dir/fold_k``) receives the run records of ``dpgs.records``
 (config, classes, metrics per epoch, last and best weights, curves, and ``run.json`` with the fold's MLflow

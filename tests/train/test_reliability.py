@@ -186,7 +186,7 @@ def test_disk_full_while_saving_keeps_previous_checkpoint_and_exits_2(bags, tmp_
 
     def save_until_disk_full(obj, fh, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:  # epoch 1 wrote last.pt and best.pt; epoch 2's last.pt hits a full disk
+        if len(calls) == 4:  # epoch 1 wrote last.pt, best.pt, checkpoint.pt; epoch 2's last.pt hits a full disk
             fh.write(b"PK\x03\x04 half a zip")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, fh, *args, **kwargs)
@@ -199,6 +199,7 @@ def test_disk_full_while_saving_keeps_previous_checkpoint_and_exits_2(bags, tmp_
     last = torch.load(out / "last.pt", weights_only=True)  # the previous, complete file
     best = torch.load(out / "best.pt", weights_only=True)
     assert all(torch.equal(last[k], best[k]) for k in best)  # both from epoch 1
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["driver"]["epoch"] == 2  # resumes after it
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name or p.name == LOCK_NAME]
     (run,) = runs_in(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "FAILED"
@@ -524,12 +525,17 @@ def test_signal_marks_run_killed_keeps_checkpoints_and_exits_128_plus_signal(bag
         proc.kill()
     assert proc.returncode == 128 + sig, err[-3000:]
     assert f"dpgs train: interrupted by {signal.Signals(sig).name}" in err
-    assert "Traceback" not in err
+    assert f"--resume {out} continues from its last checkpoint" in err and "Traceback" not in err
     assert torch.load(out / "last.pt", weights_only=True) and (out / "best.pt").is_file()
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name or p.name == LOCK_NAME]
     (run,) = runs_in(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "KILLED"
     assert run.data.tags["dpgs.error"] == f"interrupted by {signal.Signals(sig).name}"
+    # what the signal left resumes: one more epoch, to train.epochs = the epoch the checkpoint starts
+    next_epoch = torch.load(out / "checkpoint.pt", weights_only=True)["driver"]["epoch"]
+    resume = [*cli_args(bags, out, f"train.mode={mode}", f"train.epochs={next_epoch}"), "--resume", str(out)]
+    assert main(resume) == 0
+    assert f"epoch {next_epoch}/{next_epoch}" in capsys.readouterr().out
 
 
 @pytest.mark.slow
