@@ -18,11 +18,12 @@ computed on each resample, and the interval is the ``(1 - level) / 2`` and ``(1 
 percentiles (``numpy.percentile``, linear interpolation) of the resampled values. Draws come from
 ``numpy.random.default_rng(seed)``, so an interval is reproducible.
 
-SciPy is imported in the function that uses it: every DPGS actor imports this module (through
-``dpgs.train.evaluate``, for scoring) and never computes a metric, and SciPy's and scikit-learn's imports
-cost each actor process about 1 s of its start (2-core VM, 2026-11-28). F1, QWK and the confusion matrix
-are computed from the confusion counts here, equal to scikit-learn's (tests/test_metrics.py) without its
-argument checks, which cost ~3 ms a call: most of an epoch's validation metrics on a small set.
+Everything here is NumPy. The average ranks are :func:`average_ranks` (equal to
+``scipy.stats.rankdata(method="average")``, tests/test_metrics.py): importing ``scipy.stats`` cost the
+run's first validation 1.0-1.3 s (2-core VM, 2026-11-29), and every DPGS actor imports this module
+(through ``dpgs.train.evaluate``, for scoring). F1, QWK and the confusion matrix are computed from the
+confusion counts here, equal to scikit-learn's (tests/test_metrics.py) without its argument checks, which
+cost ~3 ms a call: most of an epoch's validation metrics on a small set.
 """
 
 from __future__ import annotations
@@ -51,13 +52,31 @@ def balanced_accuracy_rows(y: np.ndarray, probs: np.ndarray) -> np.ndarray:
     return (hits / np.maximum(members, 1)).sum(axis=0) / (members > 0).sum(axis=0)
 
 
+def average_ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1..n of ``values`` along the last axis, tied values sharing the mean of the ranks they span
+    (``rankdata(method="average")``): a tie group spanning sorted positions ``first..last`` (0-based) gets
+    ``(first + last) / 2 + 1``."""
+    values = np.asarray(values)
+    n = values.shape[-1]
+    order = np.argsort(values, axis=-1, kind="stable")
+    ordered = np.take_along_axis(values, order, axis=-1)
+    starts = np.ones(ordered.shape, dtype=bool)  # a tie group starts here (sorted order)
+    starts[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    ends = np.ones(ordered.shape, dtype=bool)  # ... and ends here
+    ends[..., :-1] = starts[..., 1:]
+    position = np.arange(n)
+    first = np.maximum.accumulate(np.where(starts, position, 0), axis=-1)
+    last = np.flip(np.minimum.accumulate(np.flip(np.where(ends, position, n - 1), -1), axis=-1), -1)
+    ranks = np.empty(ordered.shape, dtype=np.float64)
+    np.put_along_axis(ranks, order, (first + last) / 2.0 + 1.0, axis=-1)
+    return ranks
+
+
 def _binary_auc_rows(positive: np.ndarray, scores: np.ndarray) -> np.ndarray:
     """[R]: Mann-Whitney AUC of ``scores`` for the boolean ``positive`` labels (NaN without both)."""
     n1 = positive.sum(axis=-1)
     n0 = positive.shape[-1] - n1
-    from scipy.stats import rankdata
-
-    ranks = rankdata(scores, method="average", axis=-1)
+    ranks = average_ranks(scores)
     u = (ranks * positive).sum(axis=-1) - n1 * (n1 + 1) / 2.0
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where((n1 > 0) & (n0 > 0), u / (n1 * n0), np.nan)

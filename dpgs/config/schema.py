@@ -338,6 +338,6 @@ class Config(Section):
     @property
     def writes_checkpoints(self) -> bool:
         """Whether a run (of any mode) writes a checkpoint every epoch (``--resume`` continues it from the
-        last): single-split runs (``data.folds=1``). A k-fold command writes none; ``--resume`` keeps its finished
-        folds and trains the others again (``dpgs.train.kfold_progress``)."""
+        last): single-split runs (``data.folds=1``). A k-fold command writes none; ``--resume`` keeps its
+        finished folds and trains the others again (``dpgs.train.kfold_progress``)."""
         return self.data.folds == 1

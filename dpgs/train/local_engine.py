@@ -7,9 +7,9 @@ the end of an epoch is rescaled to the mean over the batches it holds and applie
 A single-split run writes ``checkpoint.pt`` at every epoch's end (``dpgs.records``' format, the process
 in the master's place: its weights, optimizer and steps taken; no step synchronisation, no workers). The
 driver's part also holds the random states that the next epoch draws from: torch's default generator
-(dropout; on CUDA the device's too) and the generator of ``train.mode=sampling``. Batches, learning rates and tile samples follow
-from the seed and the epoch, so a run resumed from the checkpoint takes the steps an uninterrupted run
-takes, bit for bit on the same machine.
+(dropout; on CUDA the device's too) and the generator of ``train.mode=sampling``. Batches, learning
+rates and tile samples follow from the seed and the epoch, so a run resumed from the checkpoint takes the
+steps an uninterrupted run takes, bit for bit on the same machine.
 """
 
 from __future__ import annotations

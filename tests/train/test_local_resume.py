@@ -76,7 +76,8 @@ def test_an_interrupted_run_resumed_from_its_checkpoint_ends_as_the_uninterrupte
     interrupted = json.loads((cut / "run.json").read_text())["run_id"]
     monkeypatch.undo()
 
-    assert main([*train_args(bags, cut, *MODES[mode], "tracking.run_name=resumed"), "--resume", str(cut)]) == 0
+    resume = [*train_args(bags, cut, *MODES[mode], "tracking.run_name=resumed"), "--resume", str(cut)]
+    assert main(resume) == 0
     printed = capsys.readouterr().out
     assert "resumed from" in printed and "epoch 1/4" not in printed and "epoch 3/4" in printed
     for name in ("last.pt", "best.pt"):

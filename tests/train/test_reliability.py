@@ -186,7 +186,7 @@ def test_disk_full_while_saving_keeps_previous_checkpoint_and_exits_2(bags, tmp_
 
     def save_until_disk_full(obj, fh, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:  # epoch 1 wrote last.pt, best.pt, checkpoint.pt; epoch 2's last.pt hits a full disk
+        if len(calls) == 4:  # epoch 1 wrote last.pt, best.pt and checkpoint.pt; epoch 2's last.pt: disk full
             fh.write(b"PK\x03\x04 half a zip")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, fh, *args, **kwargs)
