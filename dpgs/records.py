@@ -14,14 +14,15 @@ A checkpoint is a dict of tensors and plain values (loaded with ``weights_only=T
 
     {"format": CHECKPOINT_FORMAT,
      "master":  {"model", "optimizer", "step", "sync"},             MasterCheckpoint
-     "driver":  {"epoch", "step_in_epoch", "history", "config",      where the driver stood
-                 DPGS: "worker_restarts", "seed", "keep_ratio", ...;
-                 single process: "rng"},
+     "driver":  {"epoch", "step_in_epoch", "history", "config",      DriverProgress: where the driver stood,
+                 and the engine's own keys beside them},           and the engine's part of it
      "workers": [each worker's step-synchronisation state, or None]}
 
-A single-process run (``dpgs.train.local_engine``) writes the same shape: the process holds the master's
-part (``sync`` empty), ``workers`` is empty and ``driver["rng"]`` holds the random states of its next
-epoch. The resume check refuses another ``train.mode``, so each engine reads only its own kind.
+The engine's part of ``driver`` is the engine's own dataclass (``DpgsProgress`` in
+``dpgs.distributed.dpgs_engine``: worker restarts, keep ratio, ...; ``RandomStates`` in
+``dpgs.train.local_engine``). A single-process run writes the same shape: the process holds the master's
+part (``sync`` empty) and ``workers`` is empty. The resume check refuses another ``train.mode``, so each
+engine reads only its own kind.
 
 MLflow: params are the flattened config plus :data:`RUN_PARAMS`; tags are the ``TAG_*`` names below.
 """
@@ -29,7 +30,7 @@ MLflow: params are the flattened config plus :data:`RUN_PARAMS`; tags are the ``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from dpgs.errors import RunFailure
@@ -88,26 +89,54 @@ class MasterCheckpoint:
 
 
 @dataclass
+class DriverProgress:
+    """The driver's part of a checkpoint: the run continues before optimizer step ``step_in_epoch`` of
+    ``epoch`` (0: at the epoch's start), with ``history`` (every finished epoch's row of ``metrics.csv``)
+    and ``config`` (the run's, ``config_to_dict``: what ``--resume`` compares its own config with).
+    ``engine``: the part that the engine which wrote the checkpoint reads back (its own dataclass as a
+    dict, module docstring), stored beside the others in the file."""
+
+    epoch: int
+    step_in_epoch: int
+    history: list[dict]
+    config: dict
+    engine: dict = field(default_factory=dict)
+
+    def to_file(self) -> dict:
+        """The ``driver`` dict of the file."""
+        shared = set(self.engine) & set(DRIVER_KEYS)
+        if shared:
+            raise ValueError(f"the engine's part of a checkpoint may not use the keys {sorted(shared)}")
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "history": self.history,
+                "config": self.config, **self.engine}
+
+    @classmethod
+    def from_file(cls, driver: dict) -> DriverProgress:
+        """The inverse of :meth:`to_file` (``driver`` holds every key of :data:`DRIVER_KEYS`)."""
+        engine = {k: v for k, v in driver.items() if k not in DRIVER_KEYS}
+        return cls(int(driver["epoch"]), int(driver["step_in_epoch"]), list(driver["history"]),
+                   driver["config"], engine)
+
+
+DRIVER_KEYS = tuple(f.name for f in fields(DriverProgress) if f.name != "engine")
+
+
+@dataclass
 class Checkpoint:
-    """A checkpoint as read back (module docstring); ``driver`` as the driver wrote it."""
+    """A checkpoint as read back (module docstring)."""
 
     master: MasterCheckpoint
-    driver: dict
+    driver: DriverProgress
     workers: list
 
 
-DRIVER_KEYS = ("epoch", "step_in_epoch", "history", "config")
-
-
-def save_checkpoint(path: str | Path, master: MasterCheckpoint, driver: dict, workers: list) -> Path:
+def save_checkpoint(path: str | Path, master: MasterCheckpoint, driver: DriverProgress,
+                    workers: list) -> Path:
     """Write a checkpoint atomically (``dpgs.outputs``); a failure leaves the previous one intact."""
-    missing = [k for k in DRIVER_KEYS if k not in driver]
-    if missing:
-        raise ValueError(f"checkpoint driver part lacks {', '.join(missing)}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return save_torch_atomically(
         {"format": CHECKPOINT_FORMAT, "master": {f.name: getattr(master, f.name) for f in fields(master)},
-         "driver": driver, "workers": list(workers)},  # not asdict: it would deep-copy every tensor first
+         "driver": driver.to_file(), "workers": list(workers)},  # not asdict: it would deep-copy every tensor
         path,
     )
 
@@ -144,7 +173,7 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         master_part = MasterCheckpoint(**master)
     except TypeError as err:
         raise CheckpointError(f"--resume: {path}: the master's part does not fit ({err})") from None
-    return Checkpoint(master_part, driver, list(parts.get("workers") or []))
+    return Checkpoint(master_part, DriverProgress.from_file(driver), list(parts.get("workers") or []))
 
 
 def write_run_file(run_dir: Path, run_id: str, experiment: str, tracking_uri: str) -> Path:

@@ -32,7 +32,7 @@ from dpgs.distributed.sync import StepSync, step_bounds
 from dpgs.distributed.transport import MASTER_RANK, Channel, ChannelBroken
 from dpgs.heap import freeze_startup_heap
 from dpgs.outputs import save_torch_atomically
-from dpgs.records import MasterCheckpoint, save_checkpoint
+from dpgs.records import DriverProgress, MasterCheckpoint, save_checkpoint
 
 BACKGROUND_WRITE_BYTES = 64 << 20
 """A master state (weights, optimizer, step synchronisation) of at least this many bytes writes an epoch's
@@ -143,7 +143,7 @@ class Master:
         self.sync.load_state_dict(state.sync)
         return self.replica.version
 
-    def save_checkpoint(self, path: str, driver: dict, workers: list) -> str:
+    def save_checkpoint(self, path: str, driver: DriverProgress, workers: list) -> str:
         """Write the run's checkpoint (``dpgs.records``) to ``path`` atomically; ``workers``: each worker's
         step-synchronisation state (its error-feedback residual). An epoch's files still being written
         are written first, so an older checkpoint never replaces this one."""

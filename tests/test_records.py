@@ -12,6 +12,7 @@ from dpgs.records import (
     PARAM_OUTPUT_DIR,
     TAG_FOLD,
     CheckpointError,
+    DriverProgress,
     MasterCheckpoint,
     find_resume_target,
     read_checkpoint,
@@ -20,7 +21,7 @@ from dpgs.records import (
 )
 from dpgs.tracking import RunTracker
 
-DRIVER = {"epoch": 2, "step_in_epoch": 1, "history": [{"epoch": 1, "val_auc": 0.5}], "config": {"seed": 0}}
+DRIVER = DriverProgress(2, 1, [{"epoch": 1, "val_auc": 0.5}], {"seed": 0}, {"keep_ratio": 0.01})
 
 
 def master_part() -> MasterCheckpoint:
@@ -35,6 +36,8 @@ def test_a_checkpoint_reads_back_what_was_written(tmp_path):
     back = read_checkpoint(path)
     assert back.master.step == 7 and torch.equal(back.master.model["w"], torch.arange(3.0))
     assert back.driver == DRIVER and torch.equal(back.workers[0]["r"], torch.ones(2))
+    assert raw["driver"] == {"epoch": 2, "step_in_epoch": 1, "history": [{"epoch": 1, "val_auc": 0.5}],
+                             "config": {"seed": 0}, "keep_ratio": 0.01}  # the engine's keys beside the others
     assert not list(path.parent.glob("*.tmp*"))  # written atomically, nothing left behind
 
 
@@ -51,7 +54,7 @@ def test_unreadable_checkpoints_are_refused_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=f"{foreign} is not a dpgs checkpoint"):
         read_checkpoint(foreign)
     older = tmp_path / "older.pt"
-    torch.save({"format": 2, "master": {"model": {}}, "driver": DRIVER, "workers": []}, older)
+    torch.save({"format": 2, "master": {"model": {}}, "driver": DRIVER.to_file(), "workers": []}, older)
     with pytest.raises(CheckpointError, match=f"{older} has checkpoint format 2; this dpgs reads format"):
         read_checkpoint(older)
     assert CheckpointError.exit_code == 2

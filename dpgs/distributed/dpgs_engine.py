@@ -34,7 +34,7 @@ from dpgs.distributed.rank_group import ChunkReports, RankGroup
 from dpgs.distributed.schedule import AutoMeasurements, ByteModel, KeepSchedule, step_compute_seconds
 from dpgs.distributed.sharded_eval import evaluate_on_workers, shards_by_length
 from dpgs.distributed.sync import build_sync
-from dpgs.records import CHECKPOINT_FILE, Checkpoint
+from dpgs.records import CHECKPOINT_FILE, Checkpoint, DriverProgress
 from dpgs.train.engine import EpochEnd, FoldSetup, Validation
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
@@ -44,6 +44,28 @@ def kfold_resume_hint(fold_dir: Path) -> str:
     """What a failure in a fold of a k-fold command (no checkpoint: ``Config.writes_checkpoints``) says."""
     return (f"a fold of a k-fold command writes no checkpoint: --resume {fold_dir.parent} keeps the folds "
             f"that finished and trains {fold_dir.name} again")
+
+
+@dataclass
+class DpgsProgress:
+    """The DPGS engine's part of a checkpoint's :class:`~dpgs.records.DriverProgress`: the worker restarts
+    so far (``dpgs.max_worker_restarts`` counts on from them), the steady keep ratio (``keep_ratio=auto``'s
+    last choice; None in a checkpoint that has none) and the fold's first compressed epoch
+    (``second_moment=auto`` freezes Adam's second moment from it; None: none yet)."""
+
+    worker_restarts: int
+    keep_ratio: float | None
+    first_compressed_epoch: int | None
+
+    def to_file(self) -> dict:
+        return {"worker_restarts": self.worker_restarts, "keep_ratio": self.keep_ratio,
+                "first_compressed_epoch": self.first_compressed_epoch}
+
+    @classmethod
+    def from_file(cls, engine: dict) -> DpgsProgress:
+        ratio = engine.get("keep_ratio")
+        return cls(int(engine.get("worker_restarts", 0)), None if ratio is None else float(ratio),
+                   engine.get("first_compressed_epoch"))
 
 
 @dataclass
@@ -314,18 +336,10 @@ class DpgsEngine:
             self.measured.bytes = self.measured.bytes.calibrated(ratio, sum(sizes) / len(sizes))
 
     # ------------------------------------------------------------------ state
-    def _driver_state(self, epoch: int, step_in_epoch: int, history: list[dict]) -> dict:
+    def _driver_state(self, epoch: int, step_in_epoch: int, history: list[dict]) -> DriverProgress:
         """The driver's part of a checkpoint: its progress (resume before ``step_in_epoch`` of ``epoch``)."""
-        return {
-            "epoch": epoch,
-            "step_in_epoch": step_in_epoch,
-            "history": history,
-            "worker_restarts": self.restarts,
-            "keep_ratio": self.keep.steady,
-            "first_compressed_epoch": self.keep.first_compressed,  # the second moment's freeze follows
-            "seed": self.config.seed,
-            "config": config_to_dict(self.config),  # what a resume compares its own config with
-        }
+        progress = DpgsProgress(self.restarts, self.keep.steady, self.keep.first_compressed)
+        return DriverProgress(epoch, step_in_epoch, history, config_to_dict(self.config), progress.to_file())
 
     def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path:
         """Master state, workers' residuals and the driver's progress, written before this returns."""
@@ -348,15 +362,17 @@ class DpgsEngine:
     def wait_saved(self) -> None:
         self.group.wait_saved()
 
-    def restore(self, checkpoint: Checkpoint) -> dict:
+    def restore(self, checkpoint: Checkpoint) -> DriverProgress:
         """Continue from ``checkpoint``; returns its driver part (epoch, step in epoch, history)."""
         driver = checkpoint.driver
+        progress = DpgsProgress.from_file(driver.engine)
         self.validated = None
         self.global_step = self.group.restore(checkpoint)
-        self.skip_steps = int(driver["step_in_epoch"])
-        self.restarts_before = self.group.restarts - int(driver.get("worker_restarts", 0))
-        self.keep.steady = float(driver.get("keep_ratio", self.keep.steady))
-        self.keep.first_compressed = driver.get("first_compressed_epoch")
+        self.skip_steps = driver.step_in_epoch
+        self.restarts_before = self.group.restarts - progress.worker_restarts
+        if progress.keep_ratio is not None:
+            self.keep.steady = progress.keep_ratio
+        self.keep.first_compressed = progress.first_compressed_epoch
         return driver
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from dpgs.records import DriverProgress
     from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
@@ -54,7 +55,7 @@ class EpochCheckpoint:
     (``Master.save_epoch``): where, and the driver's progress (``dpgs.records``)."""
 
     path: str
-    driver: dict
+    driver: DriverProgress
 
 
 @dataclass(frozen=True)

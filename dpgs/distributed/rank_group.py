@@ -57,7 +57,7 @@ from dpgs.distributed.rendezvous import Rendezvous
 from dpgs.distributed.runtime import ClusterError
 from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK
 from dpgs.errors import RunFailure
-from dpgs.records import Checkpoint
+from dpgs.records import Checkpoint, DriverProgress
 from dpgs.runwatch import head_lost_message
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ class RankGroup:
         return self.workers.call("sync_state")
 
     @reports_ray_failures("writing the DPGS checkpoint")
-    def save_checkpoint(self, path: str, driver: dict) -> str:
+    def save_checkpoint(self, path: str, driver: DriverProgress) -> str:
         """Master state, the workers' synchronisation states and ``driver``, atomically to ``path``."""
         return self._get(self.master.save_checkpoint.remote(path, driver, self.sync_states()))
 

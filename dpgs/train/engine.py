@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from dpgs.config.schema import Config
-from dpgs.records import Checkpoint
+from dpgs.records import Checkpoint, DriverProgress
 from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
@@ -83,7 +83,7 @@ class Engine(Protocol):
         """Return once everything :meth:`save_epoch` was asked to write is written; raise what writing it
         raised (``OSError`` naming the file)."""
 
-    def restore(self, checkpoint: Checkpoint) -> dict:
+    def restore(self, checkpoint: Checkpoint) -> DriverProgress:
         """Continue from ``checkpoint`` (one that this kind of engine wrote: the resume check compares
         ``train.mode``); returns its driver part (``epoch``, ``history``)."""
 

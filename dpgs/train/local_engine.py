@@ -28,7 +28,7 @@ from dpgs.config.schema import TrainConfig
 from dpgs.data import Prefetcher
 from dpgs.modeling import input_to
 from dpgs.outputs import save_torch_atomically
-from dpgs.records import CHECKPOINT_FILE, Checkpoint, MasterCheckpoint, save_checkpoint
+from dpgs.records import CHECKPOINT_FILE, Checkpoint, DriverProgress, MasterCheckpoint, save_checkpoint
 from dpgs.train.engine import EpochEnd, FoldSetup
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import build_optimizer, clip_coefficient, grad_norm, learning_rate, optimizer_step
@@ -42,6 +42,37 @@ class CheckpointTarget:
 
     path: Path
     config: dict
+
+
+@dataclass
+class RandomStates:
+    """The single-process engine's part of a checkpoint's :class:`~dpgs.records.DriverProgress`: what the
+    next epoch draws from. ``cpu``: torch's default generator (dropout); ``sampling``: the bag sampler of
+    ``train.mode=sampling``; ``cuda``: the training device's generator (None on the CPU)."""
+
+    cpu: torch.Tensor
+    sampling: torch.Tensor
+    cuda: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, device: torch.device, sampling: torch.Generator) -> RandomStates:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), sampling.get_state(), cuda)
+
+    def restore(self, device: torch.device, sampling: torch.Generator) -> None:
+        """Set the generators to these states (a run resumed on another device draws afresh there)."""
+        torch.set_rng_state(self.cpu)
+        sampling.set_state(self.sampling)
+        if device.type == "cuda" and self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
+
+    def to_file(self) -> dict:
+        return {"rng": {"cpu": self.cpu, "sampling": self.sampling, "cuda": self.cuda}}
+
+    @classmethod
+    def from_file(cls, engine: dict) -> RandomStates:
+        rng = engine["rng"]
+        return cls(rng["cpu"], rng["sampling"], rng.get("cuda"))
 
 
 class LocalSession:
@@ -167,39 +198,21 @@ class LocalEngine:
         if self.checkpoint is None:
             return
         master = MasterCheckpoint(weights, self.optimizer.state_dict(), self.steps, sync={})
-        driver = {
-            "epoch": end.epoch + 1,
-            "step_in_epoch": 0,
-            "history": end.history,
-            "config": self.checkpoint.config,
-            "rng": self._random_states(),
-        }
+        random_states = RandomStates.of(self.device, self.sample_gen).to_file()
+        driver = DriverProgress(end.epoch + 1, 0, end.history, self.checkpoint.config, random_states)
         save_checkpoint(self.checkpoint.path, master, driver, workers=[])
 
     def wait_saved(self) -> None:
         """Nothing is pending: :meth:`save_epoch` writes before it returns."""
 
-    def restore(self, checkpoint: Checkpoint) -> dict:
+    def restore(self, checkpoint: Checkpoint) -> DriverProgress:
         """Continue from ``checkpoint`` (written by :meth:`save_epoch`): weights, optimizer, steps taken and
         the random states; returns its driver part."""
-        driver = checkpoint.driver
         self.model.load_state_dict(checkpoint.master.model)
         self.optimizer.load_state_dict(checkpoint.master.optimizer)
         self.steps = checkpoint.master.step
-        rng = driver["rng"]
-        torch.set_rng_state(rng["torch"])
-        self.sample_gen.set_state(rng["sampling"])
-        if self.device.type == "cuda" and "cuda" in rng:  # a run resumed on another device draws afresh
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
-        return driver
-
-    def _random_states(self) -> dict:
-        """What the next epoch draws from: torch's default generator (and the device's, on CUDA), and the
-        bag sampler's."""
-        states = {"torch": torch.get_rng_state(), "sampling": self.sample_gen.get_state()}
-        if self.device.type == "cuda":
-            states["cuda"] = torch.cuda.get_rng_state(self.device)
-        return states
+        RandomStates.from_file(checkpoint.driver.engine).restore(self.device, self.sample_gen)
+        return checkpoint.driver
 
     def final_metrics(self) -> dict:
         return {}

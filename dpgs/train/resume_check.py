@@ -139,7 +139,7 @@ def check_resume(config: Config) -> Checkpoint | KfoldRecord | None:
             f"--resume continues a run in its own directory: {path.name} is in {path.parent}, but "
             f"train.output_dir={out_dir}; set train.output_dir={path.parent}"
         )
-    saved_config = saved.config if kfold else saved.driver["config"]
+    saved_config = saved.config if kfold else saved.driver.config
     differences = config_differences(saved_config, config, across_folds=kfold)
     if differences:
         lines = [f"  {key}: {_show(before)} -> {_show(after)}" for key, before, after in differences]

@@ -188,7 +188,7 @@ class FoldTrainer:
         first_epoch, elapsed_before = 1, 0.0
         if checkpoint is not None:
             driver = engine.restore(checkpoint)
-            history, first_epoch = list(driver["history"]), int(driver["epoch"])
+            history, first_epoch = list(driver.history), driver.epoch
             elapsed_before = history[-1]["elapsed_seconds"] if history else 0.0
             for row in history:
                 if is_improvement(row.get(monitor), best_value, mode) or not val_idx:

@@ -19,6 +19,7 @@ from dpgs.distributed.sync import build_sync
 from dpgs.distributed.transport import ChannelBroken
 from dpgs.master import Master
 from dpgs.modeling import ModelSpec
+from dpgs.records import DriverProgress
 
 
 class ScriptedChannel:
@@ -120,7 +121,7 @@ def test_epoch_files_hold_the_state_save_epoch_was_called_at_though_the_master_s
     master, bodies, plan = master_and_bodies(0.1)
     gate = hold_back_writes(monkeypatch)
     at_end = {k: v.clone() for k, v in master.model_state().items()}
-    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
+    driver = DriverProgress(2, 0, [], {})
     epoch_checkpoint = EpochCheckpoint(str(tmp_path / "checkpoint.pt"), driver)
     master.save_epoch([str(tmp_path / "last.pt")], epoch_checkpoint, [])
     assert not (tmp_path / "last.pt").exists()  # returned before writing
@@ -143,12 +144,12 @@ def test_a_checkpoint_waits_for_the_epoch_files_being_written(tmp_path, monkeypa
     master, bodies, plan = master_and_bodies(0.1)
     gate = hold_back_writes(monkeypatch)
     path = str(tmp_path / "checkpoint.pt")
-    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
+    driver = DriverProgress(2, 0, [], {})
     master.save_epoch([str(tmp_path / "last.pt")], EpochCheckpoint(path, driver), [])
     master.channel = ScriptedChannel(bodies, fail_on="")
     master.run_chunk(ChunkPlan(plan.steps[:1]))
     threading.Timer(0.2, gate.set).start()
-    master.save_checkpoint(path, {"epoch": 2, "step_in_epoch": 1, "history": [], "config": {}}, [])
+    master.save_checkpoint(path, DriverProgress(2, 1, [], {}), [])
     assert torch.load(path, weights_only=True)["master"]["step"] == 1
 
 
@@ -157,7 +158,7 @@ def test_a_small_state_writes_its_epoch_files_before_save_epoch_returns(tmp_path
     master, _, _ = master_and_bodies(0.1)
     module = sys.modules[Master.__module__]
     assert module.tensor_bytes(master.state_dict()) < module.BACKGROUND_WRITE_BYTES
-    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": {}}
+    driver = DriverProgress(2, 0, [], {})
     epoch_checkpoint = EpochCheckpoint(str(tmp_path / "checkpoint.pt"), driver)
     master.save_epoch([str(tmp_path / "last.pt")], epoch_checkpoint, [])
     assert (tmp_path / "last.pt").is_file() and (tmp_path / "checkpoint.pt").is_file()

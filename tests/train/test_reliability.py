@@ -22,7 +22,7 @@ from dpgs.cli import main
 from dpgs.config import config_to_dict, save_config
 from dpgs.errors import RunFailure
 from dpgs.outputs import LOCK_NAME, locked_output_dir
-from dpgs.records import MasterCheckpoint, save_checkpoint, write_run_file
+from dpgs.records import DriverProgress, MasterCheckpoint, save_checkpoint, write_run_file
 from dpgs.train.local_engine import LocalSession
 from dpgs.train.resume_check import ResumeError
 from dpgs.train.trainer import train_splits
@@ -85,7 +85,7 @@ def write_checkpoint(config, out: Path) -> Path:
     """What a DPGS run leaves after its first epoch: checkpoint.pt (with the run's config) and config.yaml."""
     out.mkdir(parents=True)
     save_config(config, out / "config.yaml")
-    driver = {"epoch": 2, "step_in_epoch": 0, "history": [], "config": config_to_dict(config)}
+    driver = DriverProgress(2, 0, [], config_to_dict(config))
     master = MasterCheckpoint(model={}, optimizer={}, step=4, sync={})
     return save_checkpoint(out / "checkpoint.pt", master, driver, [])
 
