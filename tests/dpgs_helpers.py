@@ -37,8 +37,13 @@ def write_bags(root: Path, lengths: list[int], dim: int = 8, seed: int = 0) -> t
     return manifest, feats_dir
 
 
-def make_config(manifest: Path, feats_dir: Path, out: Path, *overrides: str):
-    base = [
+MIXED_LENGTHS = [3, 40, 7, 1, 90, 12, 5, 30, 2, 60, 8, 15, 4, 22, 9, 11, 6, 50, 13, 2]  # instances per bag
+
+
+def base_overrides(manifest: Path, feats_dir: Path, out: Path) -> list[str]:
+    """What every test config starts from: the bags, the output directory and an MLflow store beside it, a
+    fixed learning rate, no read-ahead, no dropout."""
+    return [
         f"data.manifest={manifest}",
         f"data.features_dir={feats_dir}",
         f"train.output_dir={out}",
@@ -48,7 +53,15 @@ def make_config(manifest: Path, feats_dir: Path, out: Path, *overrides: str):
         "data.prefetch=0",
         "model.params={dropout: 0.0}",
     ]
-    return load_config(None, [*base, *overrides])
+
+
+def make_config(manifest: Path, feats_dir: Path, out: Path, *overrides: str):
+    return load_config(None, [*base_overrides(manifest, feats_dir, out), *overrides])
+
+
+def train_argv(bags: tuple[Path, Path], out: Path, *overrides: str) -> list[str]:
+    """``dpgs train`` arguments of the config :func:`make_config` builds over ``bags``."""
+    return ["train", *base_overrides(*bags, out), *overrides]
 
 
 def experiment_data(config):

@@ -15,9 +15,9 @@ from dpgs.records import CheckpointError, find_resume_target
 from dpgs.train import local_engine
 from dpgs.train.resume_check import ResumeError
 from dpgs.train.trainer import train_splits
-from tests.dpgs_helpers import make_config, write_bags
+from tests.dpgs_helpers import MIXED_LENGTHS as LENGTHS
+from tests.dpgs_helpers import make_config, train_argv, write_bags
 
-LENGTHS = [3, 40, 7, 1, 90, 12, 5, 30, 2, 60, 8, 15, 4, 22, 9, 11, 6, 50, 13, 2]
 KFOLD = ("data.folds=3", "train.mode=packed", "train.epochs=2", "train.batch_size=4")
 
 
@@ -27,11 +27,7 @@ def bags(tmp_path_factory):
 
 
 def train_args(bags, out, *overrides: str) -> list[str]:
-    manifest, feats = bags
-    return ["train", f"data.manifest={manifest}", f"data.features_dir={feats}", f"train.output_dir={out}",
-            f"tracking.uri=sqlite:///{out.parent / 'mlflow.db'}", "train.scheduler=none", "train.lr=0.01",
-            "data.prefetch=0",
-            "model.params={dropout: 0.0}", *KFOLD, *overrides]
+    return train_argv(bags, out, *KFOLD, *overrides)
 
 
 def interrupt_at_epoch_call(monkeypatch, call: int) -> None:

@@ -12,9 +12,9 @@ from mlflow.tracking import MlflowClient
 
 from dpgs.cli import main
 from dpgs.train import local_engine
-from tests.dpgs_helpers import write_bags
+from tests.dpgs_helpers import MIXED_LENGTHS as LENGTHS
+from tests.dpgs_helpers import train_argv, write_bags
 
-LENGTHS = [3, 40, 7, 1, 90, 12, 5, 30, 2, 60, 8, 15, 4, 22, 9, 11, 6, 50, 13, 2]
 TIMES = ("train_seconds", "epoch_seconds", "elapsed_seconds")
 
 # Each mode with what draws random numbers or carries state across epochs: dropout (torch's default
@@ -35,10 +35,7 @@ def bags(tmp_path_factory):
 
 
 def train_args(bags, out, *overrides: str) -> list[str]:
-    manifest, feats = bags
-    return ["train", f"data.manifest={manifest}", f"data.features_dir={feats}", f"train.output_dir={out}",
-            f"tracking.uri=sqlite:///{out.parent / 'mlflow.db'}", "train.scheduler=none", "train.lr=0.01",
-            "train.batch_size=4", "train.epochs=4", "data.prefetch=0", *overrides]
+    return train_argv(bags, out, "train.batch_size=4", "train.epochs=4", *overrides)
 
 
 def interrupt_at_epoch(monkeypatch, epoch: int) -> None:
