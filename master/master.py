@@ -26,10 +26,10 @@ from dpgs.distributed.actors import answers_or_none
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import LinkProbe, probe_as_master
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, EpochCheckpoint, ReplicaState
-from dpgs.distributed.rendezvous import Rendezvous, free_address
+from dpgs.distributed.rendezvous import Rendezvous, host_store
 from dpgs.distributed.replica import Replica
 from dpgs.distributed.sync import StepSync, step_bounds
-from dpgs.distributed.transport import MASTER_RANK, Channel, ChannelBroken
+from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK, Channel, ChannelBroken
 from dpgs.heap import freeze_startup_heap
 from dpgs.outputs import save_torch_atomically
 from dpgs.records import DriverProgress, MasterCheckpoint, save_checkpoint
@@ -63,6 +63,7 @@ class Master:
         self.replica = Replica(model_spec.build(), config.train)
         self.sync: StepSync | None = None
         self.channel: Channel | None = None
+        self.store = None  # the next gloo group's store: served from :meth:`address` until :meth:`join`
         self.timeout = config.dpgs.call_timeout_s
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpgs-epoch-files")
         self.writing: Future | None = None  # an epoch's files being written (:meth:`save_epoch`)
@@ -70,14 +71,16 @@ class Master:
 
     # ---------------------------------------------------------------- the group
     def address(self) -> tuple[str, int]:
-        """Where this process will host the next gloo group's rendezvous store."""
-        return free_address()
+        """Serve the next gloo group's rendezvous store in this process from now on; where it listens."""
+        self.store = host_store(JOIN_TIMEOUT_S)
+        return self.store.host, self.store.port
 
     def join(self, rendezvous: Rendezvous) -> int:
         if self.channel is not None:
             self.channel.close()
         self.channel = None
-        self.channel = rendezvous.open(MASTER_RANK)
+        store, self.store = self.store, None  # one group's: a later generation is served anew
+        self.channel = rendezvous.open(MASTER_RANK, store if rendezvous.transport == "gloo" else None)
         return os.getpid()
 
     # ---------------------------------------------------------------- folds and state

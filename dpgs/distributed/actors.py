@@ -109,6 +109,19 @@ def get_all(refs: list, timeout_s: float, what: str, watch: GcsWatch | None = No
     return ray.get(list(refs))
 
 
+def settle(refs: list, timeout_s: float, watch: GcsWatch | None = None) -> None:
+    """Wait until each of ``refs`` has ended (with a value or an error) or ``timeout_s`` has passed, and
+    raise nothing; ``watch`` as in :func:`get_all`."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        left = deadline - time.monotonic()
+        wait_s = left if watch is None else min(POLL_S, left)
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+        if watch is not None:
+            watch.poll()
+
+
 def answers_or_none(refs: list, get: Callable[[ray.ObjectRef], object]) -> list:
     """``get(ref)`` of each of ``refs`` in order; None for one whose actor died or did not answer in time."""
     answers = []

@@ -131,16 +131,20 @@ class GlooChannel:
     Messages travel as the module docstring says (``ABORT_SIZE`` as a size: an abort). Joining (the store,
     then gloo's connections) ends within ``JOIN_TIMEOUT_S`` (then ChannelBroken: the rank is free to join
     another group); every later wait is bounded by ``timeout_s``.
+
+    ``store``: the store at ``address`` when this process already serves it
+    (``dpgs.distributed.rendezvous.host_store``); without it the master rank serves a new one there.
     """
 
-    def __init__(self, rank: int, world: int, address: tuple[str, int], timeout_s: float):
+    def __init__(self, rank: int, world: int, address: tuple[str, int], timeout_s: float,
+                 store: dist.TCPStore | None = None):
         self.rank, self.world = rank, world
         self.timeout = datetime.timedelta(seconds=timeout_s)
         host, port = address
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         try:
             here = local_address(host)
-            self._store = dist.TCPStore(
+            self._store = store or dist.TCPStore(
                 host, port, world, rank == MASTER_RANK, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S)
             )
             options = dist.ProcessGroupGloo._Options()

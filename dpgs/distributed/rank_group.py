@@ -30,7 +30,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dpgs.config.schema import DpgsConfig
-from dpgs.distributed.actors import PlacedActors, answers_or_none, get_all, prefetch
+from dpgs.distributed.actors import PlacedActors, answers_or_none, get_all, prefetch, settle
 from dpgs.distributed.failures import (
     POLL_S,
     ClusterLost,
@@ -129,7 +129,15 @@ class RankGroup:
 
     # ---------------------------------------------------------------- rendezvous
     def _join(self, rendezvous: Rendezvous) -> None:
-        self._get([r.join.remote(rendezvous) for r in self.ranks], timeout=JOIN_TIMEOUT_S + 30)
+        """Every rank joins ``rendezvous``. When one fails, the others' joins are waited out before the
+        error is raised (each ends within its own ``JOIN_TIMEOUT_S``): a rank still joining would take the
+        next rendezvous only after that, and the next group could not form in time."""
+        refs = [r.join.remote(rendezvous) for r in self.ranks]
+        try:
+            self._get(refs, timeout=JOIN_TIMEOUT_S + 30)
+        except (RayTaskError, GetTimeoutError):
+            settle(refs, JOIN_TIMEOUT_S + 30, self.watch)
+            raise
 
     def form(self) -> None:
         """A new generation of the group: gloo where it can be formed, else Ray object refs.

@@ -1,14 +1,17 @@
 """How the ranks of one generation of a DPGS group find each other, and open their channel.
 
-The driver asks the master for an address (:func:`free_address`, on the master's node), builds one
-:class:`Rendezvous` and sends it to every rank; each rank calls :meth:`Rendezvous.open` with its own rank.
+The driver asks the master to host the store (:func:`host_store`, on the master's node; its address comes
+back), builds one :class:`Rendezvous` and sends it to every rank; each rank calls :meth:`Rendezvous.open`
+with its own rank, the master with the store it hosts.
 """
 
 from __future__ import annotations
 
-import socket
+import datetime
 from dataclasses import dataclass
 from typing import Any
+
+import torch.distributed as dist
 
 from dpgs.distributed.gloo import GlooChannel
 from dpgs.distributed.mailbox import MailboxChannel
@@ -31,17 +34,21 @@ class Rendezvous:
     address: tuple[str, int] | None = None
     mailbox: Any = None
 
-    def open(self, rank: int) -> Channel:
+    def open(self, rank: int, store: dist.TCPStore | None = None) -> Channel:
+        """This rank's channel; ``store``: the gloo store at ``address`` when this process hosts it."""
         if self.transport == "gloo":
-            return GlooChannel(rank, self.world, self.address, self.timeout_s)
+            return GlooChannel(rank, self.world, self.address, self.timeout_s, store=store)
         return MailboxChannel(rank, self.world, self.mailbox, self.generation, self.timeout_s)
 
 
-def free_address() -> tuple[str, int]:
-    """This node's Ray address and a TCP port that is free on it now (a rendezvous point)."""
+def host_store(timeout_s: float) -> dist.TCPStore:
+    """A rendezvous store served by this process on its Ray node's address (``store.host``,
+    ``store.port``), which the other ranks join as clients within ``timeout_s``.
+
+    The port is the one the operating system gives the listening socket as it binds. (A port found free
+    first and listened on later can be taken in between by any outgoing connection on the node: CI saw
+    ``EADDRINUSE``, and the group fell back to Ray.)"""
     import ray
 
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return ip, s.getsockname()[1]
+    return dist.TCPStore(ray.util.get_node_ip_address(), 0, None, True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -3,8 +3,8 @@
 The group starts a ``SpatialRank`` actor in its own placement-group bundle per rank
 (``dpgs.distributed.actors.PlacedActors``) and creates a ``torch.distributed`` process group inside the actors
 (gloo on CPU; NCCL on GPUs, which needs a whole GPU per rank: a request that could put two ranks on one
-GPU is refused, and so is a placement that did). The rendezvous is rank 0's node address and a fresh
-TCP port per build.
+GPU is refused, and so is a placement that did). The rendezvous is a store that rank 0 serves on its node's
+address, on a port the operating system picks for it, anew each build.
 
 ``compute(images, labels, step)`` sends each rank only its rectangle of the input (or a reader that each
 rank calls for its own rectangle), runs one forward/backward and returns rank 0's flat gradient (the sum
@@ -12,7 +12,7 @@ over the step's images of their losses' gradients) and statistics.
 
 Failures: every ``ray.get`` has a deadline (``call_timeout_s``). When a rank dies or the step times out,
 the whole group is torn down (actors killed, placement group released) and rebuilt with new actors and
-a new port; the driver's copy of the weights and of every buffer (BatchNorm running statistics and
+a new store; the driver's copy of the weights and of every buffer (BatchNorm running statistics and
 counters, as of the last completed step) is loaded into the new ranks and the step re-runs. Partial
 updates of the failed attempt die with its actors, so nothing is counted twice. A step that fails while
 every rank is alive (a genuine error in the model or the input) is raised, not retried.
@@ -31,7 +31,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dpgs.distributed.actors import Bundle, PlacedActors, get_all
-from dpgs.distributed.rendezvous import free_address
+from dpgs.distributed.rendezvous import host_store
 from dpgs.spatial.partition import Grid, Partition, Rect, make_grid
 from dpgs.spatial.rank import RankState, SpatialModelSpec, flat_tensors
 
@@ -48,10 +48,12 @@ class SpatialRank:
         self.rank, self.grid, self.device = rank, grid, device
         self.state: RankState | None = None
         self.spec = spec
+        self.store = None  # rank 0: the group's rendezvous store, served from :meth:`rendezvous`
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free TCP port on it (asked of rank 0)."""
-        return free_address()
+    def rendezvous(self, timeout_s: float) -> tuple[str, int]:
+        """Serve the group's rendezvous store in this process (asked of rank 0); where it listens."""
+        self.store = host_store(timeout_s)
+        return self.store.host, self.store.port
 
     def setup(self, host: str, port: int, timeout_s: float) -> dict:
         """Join the process group and build the replica; returns where this rank runs."""
@@ -60,9 +62,10 @@ class SpatialRank:
         device = self.device
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU(s) as CUDA_VISIBLE_DEVICES
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{host}:{port}",
-                                rank=self.rank, world_size=self.grid.size,
-                                timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = self.store or dist.TCPStore(host, port, self.grid.size, False, timeout=timeout)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store,
+                                rank=self.rank, world_size=self.grid.size, timeout=timeout)
         self.state = RankState(self.rank, self.grid, self.spec, "cuda:0" if device == "cuda" else "cpu")
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "node": ctx.get_node_id(), "pid": os.getpid(),
@@ -165,7 +168,7 @@ class SampleParallelGroup:
             bundle=self.bundle, placed=True, max_restarts=0, timeout_s=self.call_timeout_s, name=label,
         )
         try:
-            host, port = self._get([self.actors[0].rendezvous.remote()])[0]
+            host, port = self._get([self.actors[0].rendezvous.remote(self.call_timeout_s)])[0]
             self.where = self._get([a.setup.remote(host, port, self.call_timeout_s) for a in self.actors])
         except BaseException:
             self._teardown()  # no half-started group stays behind

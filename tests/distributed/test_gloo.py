@@ -7,7 +7,6 @@ arrive whole, an abort included."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -20,10 +19,21 @@ SIZES = (1 << 10, 1 << 16)
 BOUND = 3 * CHUNK  # a bounded exchange's: more than a piece
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def open_channel(rank: int, ports) -> GlooChannel:
+    """Rank ``rank``'s channel: rank 0 serves the store on the port the system gives it as it binds and
+    puts that port on ``ports`` for each other rank (a port found free first can be taken before it is
+    listened on)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if rank != 0:
+        return GlooChannel(rank, WORLD, ("127.0.0.1", ports.get(timeout=120)), timeout_s=60.0)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    for _ in range(WORLD - 1):
+        ports.put(store.port)
+    return GlooChannel(0, WORLD, ("127.0.0.1", store.port), timeout_s=60.0, store=store)
 
 
 def big(rank: int) -> torch.Tensor:
@@ -32,10 +42,10 @@ def big(rank: int) -> torch.Tensor:
     return ((torch.arange(n) * rank) % 251).to(torch.uint8)
 
 
-def rank_main(rank: int, port: int, results) -> None:
+def rank_main(rank: int, ports, results) -> None:
     from dpgs.distributed.transport import ChannelBroken
 
-    channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
+    channel = open_channel(rank, ports)
     if rank == 0:
         bodies = channel.gather_up()
         channel.send_down(torch.arange(5, dtype=torch.uint8))
@@ -71,8 +81,8 @@ def rank_main(rank: int, port: int, results) -> None:
 @pytest.mark.timeout(180)
 def test_messages_and_a_link_probe_over_gloo_between_processes():
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, results)) for r in range(WORLD)]
+    results, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, ports, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     got = dict((name, (a, b)) for name, a, b in (results.get(timeout=150) for _ in range(WORLD)))
@@ -104,8 +114,8 @@ def test_a_join_that_cannot_complete_frees_the_rank_within_the_join_deadline(mon
     from dpgs.distributed.transport import ChannelBroken
 
     monkeypatch.setattr(gloo, "JOIN_TIMEOUT_S", 3.0)
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)  # a master that never joins
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)  # a master that never joins
+    port = store.port
     start = time.monotonic()
     err: list = []
 
@@ -136,7 +146,7 @@ def test_local_address_is_the_route_to_the_peer_outside_ray(monkeypatch):
     assert local_address("127.0.0.1") == "10.0.0.7"  # inside Ray: the node's address, not the route
 
 
-def broken_relay_main(rank: int, port: int, results) -> None:
+def broken_relay_main(rank: int, ports, results) -> None:
     """Worker 2 sends the first piece of its message (its size and first bytes), then dies; worker 1 must get
     through the forwarded pieces (the rest as zeros) to the master's abort, and the master's gather must
     fail."""
@@ -145,7 +155,7 @@ def broken_relay_main(rank: int, port: int, results) -> None:
     from dpgs.distributed import gloo
     from dpgs.distributed.transport import ChannelBroken
 
-    channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
+    channel = open_channel(rank, ports)
     if rank == 2:
         body = big(rank)
         channel._group.send([gloo.first_piece(body.numel(), body[: gloo.FIRST])], 0, gloo._BODY_TAG).wait()
@@ -177,9 +187,9 @@ def test_a_worker_that_dies_mid_message_lets_the_others_reach_the_abort():
     import time
 
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
+    results, ports = ctx.Queue(), ctx.Queue()
     started = time.monotonic()
-    procs = [ctx.Process(target=broken_relay_main, args=(r, port, results)) for r in range(WORLD)]
+    procs = [ctx.Process(target=broken_relay_main, args=(r, ports, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     got = {}
@@ -258,12 +268,12 @@ class CountingGroup:
         return self.group.recv(tensors, peer, tag)
 
 
-def small_step_main(rank: int, port: int, results) -> None:
+def small_step_main(rank: int, ports, results) -> None:
     """A relayed step of small messages (as a feature-bag model's keep-1 % payloads), counted; then a
     small step whose message down is longer than a piece; then a small step the master aborts."""
     from dpgs.distributed.transport import ChannelBroken
 
-    channel = GlooChannel(rank, WORLD, ("127.0.0.1", port), timeout_s=60.0)
+    channel = open_channel(rank, ports)
     channel._group = counting = CountingGroup(channel._group)
     if rank == 0:
         bodies = channel.gather_up(forward=lambda sizes: [n - 3 for n in sizes])
@@ -301,9 +311,9 @@ def test_a_small_relayed_step_is_one_gloo_message_each_way():
     import time
 
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
+    results, ports = ctx.Queue(), ctx.Queue()
     started = time.monotonic()
-    procs = [ctx.Process(target=small_step_main, args=(r, port, results)) for r in range(WORLD)]
+    procs = [ctx.Process(target=small_step_main, args=(r, ports, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=150) for _ in range(WORLD))
