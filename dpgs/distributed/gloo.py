@@ -130,7 +130,8 @@ class GlooChannel:
 
     Messages travel as the module docstring says (``ABORT_SIZE`` as a size: an abort). Joining (the store,
     then gloo's connections) ends within ``JOIN_TIMEOUT_S`` (then ChannelBroken: the rank is free to join
-    another group); every later wait is bounded by ``timeout_s``.
+    another group), or when nothing answers at the store's address, within that plus the back-off of the
+    store client's one retry (24 s seen at 60 s; torch's own); every later wait is bounded by ``timeout_s``.
 
     ``store``: the store at ``address`` when this process already serves it
     (``dpgs.distributed.rendezvous.host_store``); without it the master rank serves a new one there.

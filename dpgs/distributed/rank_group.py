@@ -129,21 +129,23 @@ class RankGroup:
 
     # ---------------------------------------------------------------- rendezvous
     def _join(self, rendezvous: Rendezvous) -> None:
-        """Every rank joins ``rendezvous``. When one fails, the others' joins are waited out before the
-        error is raised (each ends within its own ``JOIN_TIMEOUT_S``): a rank still joining would take the
-        next rendezvous only after that, and the next group could not form in time."""
+        """Every rank joins ``rendezvous``. When one fails, the others' joins are waited out (for up to
+        ``2 * JOIN_TIMEOUT_S``: a gloo join can outlast its deadline by a back-off, see ``GlooChannel``)
+        before the error is raised: a rank still joining would take the next rendezvous only after that,
+        when the ranks that came first had given up on it (CI: the master's store failed at once, a
+        worker's join went on for 84 s, and the Ray-transport group then timed out)."""
         refs = [r.join.remote(rendezvous) for r in self.ranks]
         try:
             self._get(refs, timeout=JOIN_TIMEOUT_S + 30)
         except (RayTaskError, GetTimeoutError):
-            settle(refs, JOIN_TIMEOUT_S + 30, self.watch)
+            settle(refs, 2 * JOIN_TIMEOUT_S, self.watch)
             raise
 
     def form(self) -> None:
         """A new generation of the group: gloo where it can be formed, else Ray object refs.
 
-        A rank whose gloo join fails is free again within ``JOIN_TIMEOUT_S`` (the join's own deadline), so
-        the ranks can join the Ray-transport group right after."""
+        A failed gloo join is waited out on every rank (:meth:`_join`), so the ranks can join the
+        Ray-transport group right after."""
         self.generation += 1
         world = len(self.ranks)
         if self.transport in (None, "gloo") and self.cfg.transport != "ray":
