@@ -145,7 +145,7 @@ class GlooChannel:
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         try:
             here = local_address(host)
-            self._store = store or dist.TCPStore(
+            self._store = store if store is not None else dist.TCPStore(
                 host, port, world, rank == MASTER_RANK, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S)
             )
             options = dist.ProcessGroupGloo._Options()

@@ -46,7 +46,7 @@ def host_store(timeout_s: float) -> dist.TCPStore:
     ``store.port``), which the other ranks join as clients within ``timeout_s``.
 
     The port is the one the operating system gives the listening socket as it binds. (A port found free
-    first and listened on later can be taken in between by any outgoing connection on the node: CI saw
+    first and listened on later can be taken in between by another socket on the node: CI saw
     ``EADDRINUSE``, and the group fell back to Ray.)"""
     import ray
 

@@ -63,7 +63,9 @@ class SpatialRank:
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes this actor's GPU(s) as CUDA_VISIBLE_DEVICES
         timeout = timedelta(seconds=timeout_s)
-        store = self.store or dist.TCPStore(host, port, self.grid.size, False, timeout=timeout)
+        store = self.store
+        if store is None:  # not rank 0: a client of rank 0's store
+            store = dist.TCPStore(host, port, self.grid.size, False, timeout=timeout)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store,
                                 rank=self.rank, world_size=self.grid.size, timeout=timeout)
         self.state = RankState(self.rank, self.grid, self.spec, "cuda:0" if device == "cuda" else "cpu")
