@@ -80,7 +80,7 @@ class Master:
             self.channel.close()
         self.channel = None
         store, self.store = self.store, None  # one group's: a later generation is served anew
-        self.channel = rendezvous.open(MASTER_RANK, store if rendezvous.transport == "gloo" else None)
+        self.channel = rendezvous.open(MASTER_RANK, store)
         return os.getpid()
 
     # ---------------------------------------------------------------- folds and state

@@ -35,7 +35,8 @@ class Rendezvous:
     mailbox: Any = None
 
     def open(self, rank: int, store: dist.TCPStore | None = None) -> Channel:
-        """This rank's channel; ``store``: the gloo store at ``address`` when this process hosts it."""
+        """This rank's channel; ``store``: the gloo store at ``address`` when this process hosts it (a Ray
+        transport has none and leaves it unused)."""
         if self.transport == "gloo":
             return GlooChannel(rank, self.world, self.address, self.timeout_s, store=store)
         return MailboxChannel(rank, self.world, self.mailbox, self.generation, self.timeout_s)
