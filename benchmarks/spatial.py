@@ -122,7 +122,7 @@ def _dpgs_step(paths, out, g: int, bags: int, steps: int, cpus: int) -> tuple[fl
         "model.encoder=resnet18", "model.big_stages=1", "model.name=abmil", "train.mode=dpgs",
         "train.optimizer=sgd", "train.scheduler=none", f"train.output_dir={out}", "dpgs.workers=1",
         f"dpgs.sample_parallel={g}", f"dpgs.cpus_per_worker={cpus // g}", "dpgs.compression.keep_ratio=1.0",
-        "dpgs.checkpoint_every=1"])
+        "train.checkpoint_every=1"])
     data = load_experiment_data(config.data, seed=0)
     spec = ModelSpec(config.model, None, len(data.manifest.classes))
     torch.manual_seed(0)

@@ -19,10 +19,10 @@ A checkpoint is a dict of tensors and plain values (loaded with ``weights_only=T
      "workers": [each worker's step-synchronisation state, or None]}
 
 The engine's part of ``driver`` is the engine's own dataclass (``DpgsProgress`` in
-``dpgs.distributed.dpgs_engine``: worker restarts, keep ratio, ...; ``RandomStates`` in
-``dpgs.train.local_engine``). A single-process run writes the same shape: the process holds the master's
-part (``sync`` empty) and ``workers`` is empty. The resume check refuses another ``train.mode``, so each
-engine reads only its own kind.
+``dpgs.distributed.dpgs_engine``: worker restarts, keep ratio, ...; ``LocalProgress`` in
+``dpgs.train.local_engine``: random states, the epoch's loss so far). A single-process run writes the
+same shape: the process holds the master's part (``sync`` empty) and ``workers`` is empty. The resume
+check refuses another ``train.mode``, so each engine reads only its own kind.
 
 MLflow: params are the flattened config plus :data:`RUN_PARAMS`; tags are the ``TAG_*`` names below.
 """

@@ -122,6 +122,10 @@ class TrainConfig(Section):
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
     class_weighted_loss: bool = False
     output_dir: Path = Path("runs/latest")
+    checkpoint_every: int = Field(
+        0, ge=0, description="optimizer steps between checkpoints within an epoch, in every mode (0: at each "
+        "epoch's end only)"
+    )
     device: str = "auto"
     deterministic: bool = False
 
@@ -223,7 +227,6 @@ class DpgsConfig(Section):
     compression: CompressionConfig = Field(default_factory=CompressionConfig)
     call_timeout_s: float = Field(600.0, gt=0)
     max_worker_restarts: int = Field(3, ge=0)
-    checkpoint_every: int = Field(0, ge=0, description="steps between master checkpoints (0: epoch end)")
     emulate_bandwidth_mbps: float | None = Field(None, gt=0)
     resume: Path | None = Field(None, description="DPGS checkpoint to continue from (set by --resume)")
     dashboard: bool = False
@@ -234,6 +237,16 @@ class DpgsConfig(Section):
     sample_grid: tuple[int, int] | None = Field(
         None, description="[rows, cols] grid of a group's ranks (rows * cols = sample_parallel; null: [G, 1])"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "checkpoint_every" in data:
+            raise ValueError(
+                "dpgs.checkpoint_every is now train.checkpoint_every (every mode writes checkpoints within "
+                f"an epoch): set train.checkpoint_every={data['checkpoint_every']}"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check_sample_grid(self) -> DpgsConfig:
@@ -327,11 +340,11 @@ class Config(Section):
                     f"dpgs.sample_parallel={g} runs the encoder's ranks in float32; model.amp=true (bfloat16 "
                     "autocast) is not supported with it"
                 )
-        if self.dpgs.checkpoint_every and not self.writes_checkpoints:
+        if self.train.checkpoint_every and not self.writes_checkpoints:
             raise ValueError(
-                f"dpgs.checkpoint_every={self.dpgs.checkpoint_every} writes checkpoints within an epoch, "
+                f"train.checkpoint_every={self.train.checkpoint_every} writes checkpoints within an epoch, "
                 f"which single-split runs write: a data.folds={data.folds} command writes none (--resume "
-                "continues it fold by fold); set dpgs.checkpoint_every=0"
+                "continues it fold by fold); set train.checkpoint_every=0"
             )
         return self
 

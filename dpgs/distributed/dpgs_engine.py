@@ -5,7 +5,7 @@ it with the initial weights to every rank. Per epoch it plans every optimizer st
 (:class:`~dpgs.distributed.messages.StepPlan`): the bags of each of its ``train.accumulation_steps``
 micro-batches spread over the workers by length (LPT), the step's learning rate
 (``dpgs.train.optim.learning_rate``) and keep ratio (``dpgs.distributed.schedule``). Steps run in chunks
-that end at checkpoints (``dpgs.checkpoint_every``) and at the epoch's end; the driver blocks only there.
+that end at checkpoints (``train.checkpoint_every``) and at the epoch's end; the driver blocks only there.
 Where the workers' replicas are exactly the master's model, the epoch's last chunk also has them score the
 fold's validation set (``FoldSetup.validation``) once its steps are done, in the same call.
 Per-step reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`).
@@ -196,8 +196,8 @@ class DpgsEngine:
         return plans
 
     def _chunks(self, plans: list[StepPlan]) -> list[list[StepPlan]]:
-        """Consecutive steps up to each checkpoint (``dpgs.checkpoint_every`` global steps) or the end."""
-        every = self.cfg.checkpoint_every
+        """Consecutive steps up to each checkpoint (``train.checkpoint_every`` global steps) or the end."""
+        every = self.config.train.checkpoint_every
         chunks, current = [], []
         for plan in plans:
             current.append(plan)
@@ -267,7 +267,7 @@ class DpgsEngine:
         step_in_epoch = chunk[-1].step_in_epoch + 1
         if self.hooks.after_chunk is not None:
             self.hooks.after_chunk(self, epoch, step_in_epoch)
-        if self.cfg.checkpoint_every and step_in_epoch < len(plans):
+        if self.config.train.checkpoint_every and step_in_epoch < len(plans):
             self.checkpoint(epoch, step_in_epoch, history)
 
     # ------------------------------------------------------------------ keep_ratio=auto

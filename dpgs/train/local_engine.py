@@ -4,12 +4,16 @@ Gradient accumulation over ``accumulation_steps`` batches back-propagates ``loss
 and zeroes gradients only after the optimizer step that consumed them. A partial accumulation window at
 the end of an epoch is rescaled to the mean over the batches it holds and applied.
 
-A single-split run writes ``checkpoint.pt`` at every epoch's end (``dpgs.records``' format, the process
-in the master's place: its weights, optimizer and steps taken; no step synchronisation, no workers). The
-driver's part also holds the random states that the next epoch draws from: torch's default generator
-(dropout; on CUDA the device's too) and the generator of ``train.mode=sampling``. Batches, learning
-rates and tile samples follow from the seed and the epoch, so a run resumed from the checkpoint takes the
-steps an uninterrupted run takes, bit for bit on the same machine.
+A single-split run writes ``checkpoint.pt`` at every epoch's end, and within an epoch after every
+``train.checkpoint_every``-th optimizer step of the run (``dpgs.records``' format, the process in the
+master's place: its weights, optimizer and steps taken; no step synchronisation, no workers). The driver's
+part also holds the random states that the next step draws from: torch's default generator (dropout; on
+CUDA the device's too) and the generator of ``train.mode=sampling``; within an epoch also the epoch's
+loss summed so far and its bag count, so the resumed epoch's ``train_loss`` is the uninterrupted one's.
+Batches, learning rates and tile samples follow from the seed and the epoch, so a run resumed from the
+checkpoint skips the epoch's batches of the steps already taken and takes the steps an uninterrupted run
+takes, bit for bit on the same machine. A checkpoint is written only after an optimizer step, where no
+gradient of an accumulation window is pending.
 """
 
 from __future__ import annotations
@@ -46,9 +50,8 @@ class CheckpointTarget:
 
 @dataclass
 class RandomStates:
-    """The single-process engine's part of a checkpoint's :class:`~dpgs.records.DriverProgress`: what the
-    next epoch draws from. ``cpu``: torch's default generator (dropout); ``sampling``: the bag sampler of
-    ``train.mode=sampling``; ``cuda``: the training device's generator (None on the CPU)."""
+    """What the next step draws from. ``cpu``: torch's default generator (dropout); ``sampling``: the bag
+    sampler of ``train.mode=sampling``; ``cuda``: the training device's generator (None on the CPU)."""
 
     cpu: torch.Tensor
     sampling: torch.Tensor
@@ -66,13 +69,31 @@ class RandomStates:
         if device.type == "cuda" and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, device)
 
+
+
+@dataclass
+class LocalProgress:
+    """The single-process engine's part of a checkpoint's :class:`~dpgs.records.DriverProgress`: the random
+    states, and the loss summed over the bags of the epoch's steps already taken (``loss_sum`` over
+    ``bags``; zero at an epoch's start)."""
+
+    random: RandomStates
+    loss_sum: float = 0.0
+    bags: int = 0
+
     def to_file(self) -> dict:
-        return {"rng": {"cpu": self.cpu, "sampling": self.sampling, "cuda": self.cuda}}
+        r = self.random
+        return {"rng": {"cpu": r.cpu, "sampling": r.sampling, "cuda": r.cuda},
+                "epoch_loss": {"sum": self.loss_sum, "bags": self.bags}}
 
     @classmethod
-    def from_file(cls, engine: dict) -> RandomStates:
+    def from_file(cls, engine: dict) -> LocalProgress:
+        """The inverse of :meth:`to_file`; a checkpoint written before ``epoch_loss`` existed was written at
+        an epoch's end (nothing summed yet)."""
         rng = engine["rng"]
-        return cls(rng["cpu"], rng["sampling"], rng.get("cuda"))
+        loss = engine.get("epoch_loss", {"sum": 0.0, "bags": 0})
+        return cls(RandomStates(rng["cpu"], rng["sampling"], rng.get("cuda")), float(loss["sum"]),
+                   int(loss["bags"]))
 
 
 class LocalSession:
@@ -92,7 +113,7 @@ class LocalSession:
 
 class LocalEngine:
     """Trains ``model`` in-process on batches of loaded bags; writes ``checkpoint`` (when given) at every
-    epoch's end."""
+    epoch's end and every ``train.checkpoint_every`` optimizer steps (module docstring)."""
 
     def __init__(
         self,
@@ -121,6 +142,8 @@ class LocalEngine:
         self.pending = 0  # batches back-propagated since the last optimizer step
         self.steps = 0
         self.lr = cfg.lr  # learning rate of the next optimizer step
+        self.resumed: LocalProgress | None = None  # a mid-epoch checkpoint's: the next epoch continues it
+        self.skip_steps = 0  # optimizer steps of the next epoch taken before a resume
 
     def _apply(self) -> None:
         if self.pending == 0:
@@ -155,28 +178,49 @@ class LocalEngine:
         return float(out["loss"].detach()) * len(bags), len(bags)
 
     def run_epoch(self, batches: list[list[int]], epoch: int, history: list[dict] | None = None) -> dict:
-        """Train on every batch of bag indices (loaded ahead in a background thread).
+        """Train on every batch of bag indices (loaded ahead in a background thread), from the first batch
+        of the first step not taken before a resume; write a checkpoint after every
+        ``train.checkpoint_every``-th optimizer step of the run that does not end the epoch (with
+        ``history``, the finished epochs' rows).
 
-        Returns ``train_loss`` (mean per bag) and ``train_seconds``.
+        Returns ``train_loss`` (mean per bag of the epoch), ``train_seconds`` and ``optimizer_steps`` (the
+        epoch's, those before a resume included).
         """
         self.model.train()
-        total, count, steps_before = 0.0, 0, self.steps
+        accumulate, every = self.cfg.accumulation_steps, self.cfg.checkpoint_every
+        total, count = (self.resumed.loss_sum, self.resumed.bags) if self.resumed is not None else (0.0, 0)
+        first = self.skip_steps * accumulate  # the first batch still to train
+        steps_before = self.steps - self.skip_steps
+        self.resumed, self.skip_steps = None, 0
         start = time.perf_counter()
-        accumulate = self.cfg.accumulation_steps
         steps_per_epoch = math.ceil(len(batches) / accumulate)
-        loaded = Prefetcher(self.dataset, batches, depth=self.prefetch, epoch=epoch)  # tiles: epoch's sample
-        for b, bags in enumerate(tqdm(loaded, total=len(batches), desc=f"epoch {epoch}", leave=False,
-                                      disable=None)):
+        # tiles: the epoch's sample of each bag (the same whichever batches are skipped)
+        loaded = Prefetcher(self.dataset, batches[first:], depth=self.prefetch, epoch=epoch)
+        for b, bags in enumerate(tqdm(loaded, total=len(batches), initial=first, desc=f"epoch {epoch}",
+                                      leave=False, disable=None), start=first):
             self.lr = learning_rate(self.cfg, epoch, b // accumulate, steps_per_epoch)
             loss_sum, n = self.train_batch(bags)
             total += loss_sum
             count += n
+            stepped = self.pending == 0
+            if stepped and every and self.steps % every == 0 and b + 1 < len(batches):
+                self._save_within(epoch, (b + 1) // accumulate, history or [], LocalProgress(
+                    RandomStates.of(self.device, self.sample_gen), total, count))
         self._apply()
         return {
             "train_loss": total / max(count, 1),
             "train_seconds": time.perf_counter() - start,
             "optimizer_steps": float(self.steps - steps_before),
         }
+
+    def _save_within(self, epoch: int, step_in_epoch: int, history: list[dict],
+                     progress: LocalProgress) -> None:
+        """The checkpoint that continues ``epoch`` before its optimizer step ``step_in_epoch``."""
+        if self.checkpoint is None:
+            return
+        master = MasterCheckpoint(self.model.state_dict(), self.optimizer.state_dict(), self.steps, sync={})
+        driver = DriverProgress(epoch, step_in_epoch, history, self.checkpoint.config, progress.to_file())
+        save_checkpoint(self.checkpoint.path, master, driver, workers=[])
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
         """On this process: one shard holding every bag (``state``: scored on a copy of the model)."""
@@ -198,20 +242,24 @@ class LocalEngine:
         if self.checkpoint is None:
             return
         master = MasterCheckpoint(weights, self.optimizer.state_dict(), self.steps, sync={})
-        random_states = RandomStates.of(self.device, self.sample_gen).to_file()
-        driver = DriverProgress(end.epoch + 1, 0, end.history, self.checkpoint.config, random_states)
+        progress = LocalProgress(RandomStates.of(self.device, self.sample_gen))
+        driver = DriverProgress(end.epoch + 1, 0, end.history, self.checkpoint.config, progress.to_file())
         save_checkpoint(self.checkpoint.path, master, driver, workers=[])
 
     def wait_saved(self) -> None:
         """Nothing is pending: :meth:`save_epoch` writes before it returns."""
 
     def restore(self, checkpoint: Checkpoint) -> DriverProgress:
-        """Continue from ``checkpoint`` (written by :meth:`save_epoch`): weights, optimizer, steps taken and
-        the random states; returns its driver part."""
+        """Continue from ``checkpoint`` (written at an epoch's end or within one): weights, optimizer, steps
+        taken, the random states, and within an epoch the steps to skip and the loss summed so far; returns
+        its driver part."""
         self.model.load_state_dict(checkpoint.master.model)
         self.optimizer.load_state_dict(checkpoint.master.optimizer)
         self.steps = checkpoint.master.step
-        RandomStates.from_file(checkpoint.driver.engine).restore(self.device, self.sample_gen)
+        progress = LocalProgress.from_file(checkpoint.driver.engine)
+        progress.random.restore(self.device, self.sample_gen)
+        self.skip_steps = checkpoint.driver.step_in_epoch
+        self.resumed = progress if self.skip_steps else None
         return checkpoint.driver
 
     def final_metrics(self) -> dict:

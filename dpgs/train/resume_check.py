@@ -43,6 +43,7 @@ RESUMABLE_KEYS = (
     "tracking.",
     "train.early_stopping.patience",
     "train.output_dir",  # checked apart: the checkpoint's directory, wherever it is now
+    "train.checkpoint_every",
     "train.device",
     "train.deterministic",
     "eval.sample_k",
@@ -59,7 +60,7 @@ RESUMABLE_KEYS = (
     "dpgs.object_store_gb",
     "dpgs.call_timeout_s",
     "dpgs.max_worker_restarts",
-    "dpgs.checkpoint_every",
+    "dpgs.checkpoint_every",  # train.checkpoint_every's place in the config of checkpoints written before
     "dpgs.cpus_per_worker",
     "dpgs.gpus_per_worker",
     "dpgs.emulate_bandwidth_mbps",

@@ -200,7 +200,8 @@ class FoldTrainer:
                     )
                 else:
                     stale += 1
-            print(f"[{self.split.name}] resumed from {cfg.dpgs.resume} at epoch {first_epoch}")
+            within = f", step {driver.step_in_epoch}" if driver.step_in_epoch else ""
+            print(f"[{self.split.name}] resumed from {cfg.dpgs.resume} at epoch {first_epoch}{within}")
         start = time.perf_counter() - elapsed_before
         try:
             for epoch in range(first_epoch, cfg.train.epochs + 1):

@@ -83,9 +83,17 @@ def test_checkpoints_within_epochs_are_refused_for_a_kfold_command():
     """A k-fold command writes no checkpoint (``--resume`` continues it fold by fold): asking it for some
     every N steps is refused, naming both keys; a single split keeps them."""
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["data.folds=5", "dpgs.checkpoint_every=10"])
+        load_config(None, ["data.folds=5", "train.checkpoint_every=10"])
     text = str(err.value)
-    assert "dpgs.checkpoint_every=10" in text and "data.folds=5" in text and "single-split" in text
+    assert "train.checkpoint_every=10" in text and "data.folds=5" in text and "single-split" in text
     assert not load_config(None, ["data.folds=5"]).writes_checkpoints
-    single = load_config(None, ["dpgs.checkpoint_every=10"])
-    assert single.writes_checkpoints and single.dpgs.checkpoint_every == 10
+    single = load_config(None, ["train.checkpoint_every=10"])
+    assert single.writes_checkpoints and single.train.checkpoint_every == 10
+
+
+def test_the_key_checkpoint_every_had_in_the_dpgs_section_names_its_new_place():
+    """``dpgs.checkpoint_every`` (DPGS's alone until every mode wrote checkpoints within an epoch) is refused
+    with the key to set instead, in a config file as on the command line."""
+    with pytest.raises(ConfigError, match=r"dpgs.checkpoint_every is now train.checkpoint_every.*"
+                                          r"set train.checkpoint_every=4"):
+        load_config(None, ["dpgs.checkpoint_every=4"])

@@ -61,7 +61,7 @@ def test_the_validation_scored_with_the_last_chunk_equals_the_driver(ray_cluster
     as the driver scores it with the master's weights."""
     bags = write_bags(tmp_path / "bags", [3, 200, 17, 1, 90, 44, 6, 300, 12, 58, 2, 150, 33, 9, 71, 5, 20, 8])
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
-                         "dpgs.checkpoint_every=1", *sync)  # three chunks an epoch: only the last scores
+                         "train.checkpoint_every=1", *sync)  # three chunks an epoch: only the last scores
     data = experiment_data(config)
     spec = ModelSpec(config.model, data.dataset.feature_dim, 2)
     torch.manual_seed(0)

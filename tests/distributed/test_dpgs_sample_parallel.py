@@ -139,7 +139,7 @@ def _dpgs_config(tile_bags, out, *overrides):
         "train.scheduler=none",
         f"train.output_dir={out}", "dpgs.workers=1", "dpgs.sample_parallel=2", "dpgs.cpus_per_worker=1",
         "dpgs.compression.keep_ratio=1.0", "dpgs.compression.value_dtype=fp32",
-        "dpgs.checkpoint_every=1", "dpgs.call_timeout_s=120", *overrides,
+        "train.checkpoint_every=1", "dpgs.call_timeout_s=120", *overrides,
     ])
 
 
@@ -198,7 +198,7 @@ def test_dpgs_steps_equal_packed_steps_and_survive_a_killed_group_worker(ray_clu
 
     captured, killed = [], []
 
-    def capture(eng, epoch, step):  # chunks of one step (dpgs.checkpoint_every=1)
+    def capture(eng, epoch, step):  # chunks of one step (train.checkpoint_every=1)
         captured.append(_float_state(eng.state_dict()))
 
     start = _start_model(spec, config.seed)

@@ -92,6 +92,60 @@ def test_an_interrupted_run_resumed_from_its_checkpoint_ends_as_the_uninterrupte
     assert {k: resumed.data.metrics[k] for k in tested} == pytest.approx(tested, abs=1e-9)
 
 
+# (train.checkpoint_every, the batch of epoch 3 (0-based) interrupted, the step of epoch 3 the last
+# checkpoint continues at): 14 training bags, B=4, so 14 steps an epoch in classic (the last checkpoint at
+# step 35 of the run, 7 of epoch 3), 4 in sampling and padding, 2 in packed (two batches a step: a
+# checkpoint after its first step skips two batches)
+WITHIN = {"classic": (5, 9, 7), "sampling": (3, 3, 1), "packed": (1, 3, 1), "padding": (2, 3, 2)}
+STEPS_PER_EPOCH = {"classic": 14, "sampling": 4, "packed": 2, "padding": 4}
+
+
+def interrupt_within_epoch(monkeypatch, epoch: int, batch: int) -> None:
+    """Epoch ``epoch`` is interrupted as by SIGINT before its batch ``batch`` (0-based)."""
+    at = {"epoch": 0, "batch": 0}
+    run_epoch, train_batch = local_engine.LocalEngine.run_epoch, local_engine.LocalEngine.train_batch
+
+    def counted(self, batches, epoch_now, history=None):
+        at.update(epoch=epoch_now, batch=0)
+        return run_epoch(self, batches, epoch_now, history)
+
+    def interrupted(self, bags):
+        if at["epoch"] == epoch and at["batch"] == batch:
+            raise KeyboardInterrupt
+        at["batch"] += 1
+        return train_batch(self, bags)
+
+    monkeypatch.setattr(local_engine.LocalEngine, "run_epoch", counted)
+    monkeypatch.setattr(local_engine.LocalEngine, "train_batch", interrupted)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_run_interrupted_within_an_epoch_resumes_from_its_last_step_checkpoint(
+        bags, tmp_path, monkeypatch, capsys, mode):
+    """``train.checkpoint_every=N``: a checkpoint after every N-th optimizer step of the run; resumed within
+    epoch 3, the run skips the batches of the steps taken and ends as the uninterrupted run: weights,
+    and every metric of metrics.csv (the resumed epoch's ``train_loss`` over all its bags, its step count)."""
+    every, batch, step_in_epoch = WITHIN[mode]
+    args = (*MODES[mode], f"train.checkpoint_every={every}")
+    reference, cut = tmp_path / "reference", tmp_path / "cut"
+    assert main(train_args(bags, reference, *args)) == 0
+    interrupt_within_epoch(monkeypatch, 3, batch)
+    assert main(train_args(bags, cut, *args)) == 130
+    checkpoint = torch.load(cut / "checkpoint.pt", weights_only=True)
+    assert (checkpoint["driver"]["epoch"], checkpoint["driver"]["step_in_epoch"]) == (3, step_in_epoch)
+    assert checkpoint["master"]["step"] == 2 * STEPS_PER_EPOCH[mode] + step_in_epoch
+    assert len(checkpoint["driver"]["history"]) == 2
+    monkeypatch.undo()
+    capsys.readouterr()
+
+    assert main([*train_args(bags, cut, *args), "--resume", str(cut)]) == 0
+    assert f"at epoch 3, step {step_in_epoch}" in capsys.readouterr().out
+    for name in ("last.pt", "best.pt"):
+        a, b = weights(cut / name), weights(reference / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
+    assert metrics_rows(cut) == metrics_rows(reference)
+
+
 def test_a_checkpoint_resumes_only_in_its_own_mode(bags, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(train_args(bags, out, "train.mode=packed", "train.epochs=1")) == 0

@@ -134,6 +134,23 @@ def test_resume_allows_epochs_tracking_timeouts_and_keeps_config_yaml(bags, tmp_
     assert run.data.tags["dpgs.resumed_from"] == "0123abcd"
 
 
+def test_a_checkpoint_written_when_checkpoint_every_was_a_dpgs_key_resumes(bags, tmp_path):
+    """A checkpoint whose recorded config has ``dpgs.checkpoint_every`` (its place before it became
+    ``train.checkpoint_every``) resumes, also with another ``train.checkpoint_every``: how often to write
+    checkpoints changes no step."""
+    out = tmp_path / "run"
+    original = make_config(*bags, out, *DPGS)
+    out.mkdir(parents=True)
+    save_config(original, out / "config.yaml")
+    recorded = config_to_dict(original)
+    del recorded["train"]["checkpoint_every"]
+    recorded["dpgs"]["checkpoint_every"] = 2
+    save_checkpoint(out / "checkpoint.pt", MasterCheckpoint(model={}, optimizer={}, step=4, sync={}),
+                    DriverProgress(2, 0, [], recorded), [])
+    with pytest.raises(EngineStarted):  # every check passed: the run went on to build its engine
+        train_splits(resumed("train.checkpoint_every=3", bags=bags, out=out), NoEngineSession())
+
+
 def test_resume_with_cosine_schedule_refuses_more_epochs(bags, tmp_path):
     out = tmp_path / "run"
     original = make_config(*bags, out, *DPGS, "train.scheduler=cosine")
