@@ -61,6 +61,7 @@ def test_killed_driver_leaves_its_run_failed(tmp_path):
     assert run.info.status == "FAILED" and "ended without closing" in run.data.tags["dpgs.error"]
 
 
+@pytest.mark.slow  # 30 s; the run watcher's part is also in test_killed_driver_leaves_its_run_failed
 @pytest.mark.ray
 def test_raylet_death_fails_the_run_and_leaves_no_ray_processes(tmp_path):
     """Depending on timing, the driver reports the lost master itself (exit 3) or Ray ends the process
