@@ -29,32 +29,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+HEAD_ATTEMPTS = 3
+
+
+def start_head(base_env: dict) -> tuple[int, dict, Path]:
+    """``ray start --head`` on a free port: (port, the nodes' and driver's environment, temporary directory).
+
+    The port is free when chosen and taken only when the head's GCS binds it, a second or two later; a
+    socket of the suite's other Ray processes can take it in between (as one took the DPGS master's store
+    port in CI). A head that fails to start is cleaned up and started again on another port, up to
+    ``HEAD_ATTEMPTS`` times; then every attempt's failure is raised with Ray's output."""
+    failures = []
+    for _ in range(HEAD_ATTEMPTS):
+        port = free_port()
+        env = {**base_env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+        temp = Path("/tmp") / f"dpgs-ray-{port}"  # Ray limits socket path lengths: keep it short
+        head = [RAY, "start", "--head", "--port", str(port), "--num-cpus", "2", "--include-dashboard",
+                "false", "--temp-dir", str(temp), "--object-store-memory", str(150 << 20),
+                "--disable-usage-stats"]
+        try:
+            subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
+            return port, env, temp
+        except subprocess.CalledProcessError as err:
+            stop_cluster(str(temp), f":{port}")
+            shutil.rmtree(temp, ignore_errors=True)
+            failures.append(f"port {port}: {err.stdout.decode()[-1500:]}\n{err.stderr.decode()[-1500:]}")
+    raise AssertionError(f"ray start --head failed {HEAD_ATTEMPTS} times:\n" + "\n".join(failures))
+
+
 @pytest.fixture
 def cluster(tmp_path):
-    port = free_port()
     # token authentication, as the README recommends for clusters; the token is the test's own (a fresh
     # machine has no ~/.ray/auth_token), passed to every node and to the driver through the environment
-    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    env.pop("RAY_JOB_ID", None)
-    temp = Path("/tmp") / f"dpgs-ray-{port}"  # Ray limits socket path lengths: keep it short
-    head = [
-        RAY,
-        "start",
-        "--head",
-        "--port",
-        str(port),
-        "--num-cpus",
-        "2",
-        "--include-dashboard",
-        "false",
-        "--temp-dir",
-        str(temp),
-        "--object-store-memory",
-        str(150 << 20),
-        "--disable-usage-stats",
-    ]
-    subprocess.run(head, check=True, env=env, capture_output=True, timeout=120)
+    base = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    base.pop("RAY_JOB_ID", None)
+    port, env, temp = start_head(base)
     try:
         subprocess.run(
             [
