@@ -14,6 +14,21 @@ from dpgs.data import write_demo_data
 MACHINE = "2-core CPU VM, 24 GiB RAM, no GPU"
 
 
+def loopback_channel(rank: int, world: int, ports, timeout_s: float):
+    """Rank ``rank``'s ``GlooChannel`` of a group of processes on 127.0.0.1: rank 0 (the master) serves the
+    store (``serve_store``: no port to race for) and puts its port on the queue ``ports`` once for each
+    other rank, which takes it from there."""
+    from dpgs.distributed.gloo import GlooChannel
+    from dpgs.distributed.rendezvous import serve_store
+
+    if rank != 0:
+        return GlooChannel(rank, world, ("127.0.0.1", ports.get(timeout=timeout_s)), timeout_s=timeout_s)
+    store = serve_store("127.0.0.1", timeout_s)
+    for _ in range(world - 1):
+        ports.put(store.port)
+    return GlooChannel(0, world, ("127.0.0.1", store.port), timeout_s=timeout_s, store=store)
+
+
 def machine_line() -> str:
     return f"{MACHINE} ({platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads)"
 

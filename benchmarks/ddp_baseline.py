@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -37,12 +35,6 @@ from dpgs.modeling import ModelSpec
 from dpgs.train.batching import epoch_batches
 from dpgs.train.optim import build_optimizer, learning_rate
 from dpgs.train.steps import batch_loss
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @torch.no_grad()
@@ -71,9 +63,10 @@ class BagLoss(torch.nn.Module):
         return batch_loss(self.model, features, labels, "packed")["per_bag"]
 
 
-def _rank_main(rank: int, world: int, port: int, overrides: list[str], style: str, out: str) -> None:
+def _rank_main(rank: int, world: int, store_file: str, overrides: list[str], style: str, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
+    # the ranks share this machine: a file rendezvous, with no port that another socket could take first
+    store = dist.FileStore(store_file, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     start = time.perf_counter()
     config = load_config(None, overrides)
@@ -137,7 +130,8 @@ def run_ddp(overrides: list[str], workers: int = 2, style: str = "loop") -> dict
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "ddp.json")
         start = time.perf_counter()
-        mp.spawn(_rank_main, args=(workers, _free_port(), list(overrides), style, out), nprocs=workers)
+        store = str(Path(tmp) / "store")
+        mp.spawn(_rank_main, args=(workers, store, list(overrides), style, out), nprocs=workers)
         result = json.loads(Path(out).read_text())
     result["wall_seconds"] = time.perf_counter() - start
     return result

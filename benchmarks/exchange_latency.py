@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import time
 
 import torch
-from _common import emit, fmt, machine_line, markdown
+from _common import emit, fmt, loopback_channel, machine_line, markdown
 
 
 def _busy(seconds: float) -> None:
@@ -31,11 +30,9 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _rank(rank: int, port: int, numel: int, steps: int, compute_s: float, bounded: bool, results) -> None:
+def _rank(rank: int, ports, numel: int, steps: int, compute_s: float, bounded: bool, results) -> None:
     torch.set_num_threads(1)
-    from dpgs.distributed.gloo import GlooChannel
-
-    channel = GlooChannel(rank, 3, ("127.0.0.1", port), timeout_s=60.0)
+    channel = loopback_channel(rank, 3, ports, timeout_s=60.0)
     bound = 4 * numel if bounded else None
     times = []
     if rank == 0:
@@ -60,12 +57,9 @@ def _rank(rank: int, port: int, numel: int, steps: int, compute_s: float, bounde
 
 def one_run(numel: int, steps: int, compute_s: float, bounded: bool) -> tuple[float, float]:
     """(master's median step, slow worker's median exchange) in seconds."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, numel, steps, compute_s, bounded, results))
+    results, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, ports, numel, steps, compute_s, bounded, results))
              for r in range(3)]
     for p in procs:
         p.start()

@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _common import loopback_channel
 from scaling_model import (
     DPGS_ONE_PIECE_LATENCIES,
     GOODPUT_TC,
@@ -45,20 +45,12 @@ JOIN_TIMEOUT_S = 120
 ROUND_SECONDS = 4.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, up: int, down: int, rounds: int, results) -> None:
+def _rank(rank: int, world: int, ports, up: int, down: int, rounds: int, results) -> None:
     """One process of the exchange (rank 0 the master)."""
     import torch
 
-    from dpgs.distributed.gloo import GlooChannel
-
     torch.set_num_threads(1)
-    channel = GlooChannel(rank, world, ("127.0.0.1", port), timeout_s=600.0)
+    channel = loopback_channel(rank, world, ports, timeout_s=600.0)
     if rank == 0:
         body = torch.zeros(down, dtype=torch.uint8)
         starts = []
@@ -78,9 +70,8 @@ def _rank(rank: int, world: int, port: int, up: int, down: int, rounds: int, res
 def exchange_rounds(workers: int, up: int, down: int, rounds: int) -> list[float]:
     """Seconds of ``rounds`` exchange rounds of ``workers`` workers and a master (spawned processes)."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, workers + 1, port, up, down, rounds, results), daemon=True)
+    results, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, workers + 1, ports, up, down, rounds, results), daemon=True)
              for r in range(workers + 1)]
     for p in procs:
         p.start()

@@ -42,14 +42,19 @@ class Rendezvous:
         return MailboxChannel(rank, self.world, self.mailbox, self.generation, self.timeout_s)
 
 
-def host_store(timeout_s: float) -> dist.TCPStore:
-    """A rendezvous store served by this process on its Ray node's address (``store.host``,
-    ``store.port``), which the other ranks join as clients within ``timeout_s``.
+def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """A rendezvous store served by this process on ``host`` (``store.host``, ``store.port``), which the
+    other ranks join as clients within ``timeout_s``.
 
     The port is the one the operating system gives the listening socket as it binds. (A port found free
     first and listened on later can be taken in between by another socket on the node: CI saw
     ``EADDRINUSE``, and the group fell back to Ray.)"""
+    return dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def host_store(timeout_s: float) -> dist.TCPStore:
+    """:func:`serve_store` on this process's Ray node's address."""
     import ray
 
-    return dist.TCPStore(ray.util.get_node_ip_address(), 0, None, True,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return serve_store(ray.util.get_node_ip_address(), timeout_s)

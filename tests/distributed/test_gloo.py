@@ -23,14 +23,11 @@ def open_channel(rank: int, ports) -> GlooChannel:
     """Rank ``rank``'s channel: rank 0 serves the store on the port the system gives it as it binds and
     puts that port on ``ports`` for each other rank (a port found free first can be taken before it is
     listened on)."""
-    import datetime
-
-    import torch.distributed as dist
+    from dpgs.distributed.rendezvous import serve_store
 
     if rank != 0:
         return GlooChannel(rank, WORLD, ("127.0.0.1", ports.get(timeout=120)), timeout_s=60.0)
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
-                          wait_for_workers=False)
+    store = serve_store("127.0.0.1", 60.0)
     for _ in range(WORLD - 1):
         ports.put(store.port)
     return GlooChannel(0, WORLD, ("127.0.0.1", store.port), timeout_s=60.0, store=store)
