@@ -35,7 +35,7 @@ from dpgs.distributed.schedule import AutoMeasurements, ByteModel, KeepSchedule,
 from dpgs.distributed.sharded_eval import evaluate_on_workers, shards_by_length
 from dpgs.distributed.sync import build_sync
 from dpgs.records import CHECKPOINT_FILE, Checkpoint, DriverProgress
-from dpgs.train.engine import EpochEnd, FoldSetup, Validation
+from dpgs.train.engine import EpochEnd, EpochSoFar, FoldSetup, Validation
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import learning_rate
 
@@ -50,22 +50,24 @@ def kfold_resume_hint(fold_dir: Path) -> str:
 class DpgsProgress:
     """The DPGS engine's part of a checkpoint's :class:`~dpgs.records.DriverProgress`: the worker restarts
     so far (``dpgs.max_worker_restarts`` counts on from them), the steady keep ratio (``keep_ratio=auto``'s
-    last choice; None in a checkpoint that has none) and the fold's first compressed epoch
-    (``second_moment=auto`` freezes Adam's second moment from it; None: none yet)."""
+    last choice; None in a checkpoint that has none), the fold's first compressed epoch
+    (``second_moment=auto`` freezes Adam's second moment from it; None: none yet) and, within an epoch,
+    what the steps whose reports reached the driver added to the epoch's metrics (``so_far``)."""
 
     worker_restarts: int
     keep_ratio: float | None
     first_compressed_epoch: int | None
+    so_far: EpochSoFar = EpochSoFar()
 
     def to_file(self) -> dict:
         return {"worker_restarts": self.worker_restarts, "keep_ratio": self.keep_ratio,
-                "first_compressed_epoch": self.first_compressed_epoch}
+                "first_compressed_epoch": self.first_compressed_epoch, "epoch_so_far": self.so_far.to_file()}
 
     @classmethod
     def from_file(cls, engine: dict) -> DpgsProgress:
         ratio = engine.get("keep_ratio")
         return cls(int(engine.get("worker_restarts", 0)), None if ratio is None else float(ratio),
-                   engine.get("first_compressed_epoch"))
+                   engine.get("first_compressed_epoch"), EpochSoFar.from_file(engine.get("epoch_so_far")))
 
 
 @dataclass
@@ -79,17 +81,26 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def epoch_metrics(reports: ChunkReports, workers: int) -> dict[str, float]:
-    """The epoch's DPGS metrics from the ranks' per-step reports (names: docs/architecture.md).
+def epoch_so_far(reports: ChunkReports, before: EpochSoFar) -> EpochSoFar:
+    """``before`` (the epoch's steps before a resume) and the steps of ``reports``: their loss, summed on
+    from ``before``'s in report order, their bags and their steps."""
+    loss = sum((sum(r.losses) for r in reports.workers), start=before.loss_sum)
+    return EpochSoFar(loss, before.bags + sum(r.n_bags for r in reports.workers),
+                      before.steps + len(reports.master))
+
+
+def epoch_metrics(reports: ChunkReports, workers: int, before: EpochSoFar | None = None) -> dict[str, float]:
+    """The epoch's DPGS metrics from the ranks' per-step reports (names: docs/architecture.md);
+    ``train_loss`` and ``optimizer_steps`` also count ``before``, the epoch's steps before a resume.
 
     Per step: compute = the slowest worker's forward/backward, overhead = step time - compute; phases are
-    the slowest worker's (or the master's) seconds, averaged over steps.
+    the slowest worker's (or the master's) seconds, averaged over steps (those after a resume).
     """
+    epoch = epoch_so_far(reports, before or EpochSoFar())
     by_step: dict[int, list] = defaultdict(list)
     for report in reports.workers:
         by_step[report.index].append(report)
     master = sorted(reports.master, key=lambda m: m.index)
-    n_bags = sum(r.n_bags for r in reports.workers)
     up = sum(r.up_bytes for r in reports.workers)
     down = sum(r.down_bytes for r in reports.workers)
     dense = sum(r.dense_bytes for r in reports.workers) + sum(m.down_dense_bytes for m in master) * workers
@@ -98,7 +109,7 @@ def epoch_metrics(reports: ChunkReports, workers: int) -> dict[str, float]:
     )
     compute = {m.index: max((r.compute_seconds for r in by_step[m.index]), default=0.0) for m in master}
     metrics = {
-        "train_loss": sum(sum(r.losses) for r in reports.workers) / max(n_bags, 1),
+        "train_loss": epoch.loss_sum / max(epoch.bags, 1),
         "comm_bytes_up": float(up),
         "comm_bytes_down": float(down),
         "comm_dense_bytes": float(dense),
@@ -107,7 +118,7 @@ def epoch_metrics(reports: ChunkReports, workers: int) -> dict[str, float]:
         "step_seconds": _mean([m.step_seconds for m in master]),
         "step_overhead_seconds": _mean([m.step_seconds - compute[m.index] for m in master]),
         "worker_imbalance": _mean([imbalance([r.compute_seconds for r in by_step[m.index]]) for m in master]),
-        "optimizer_steps": float(len(master)),
+        "optimizer_steps": float(epoch.steps),
         "time_read_wait_seconds": slowest("read_wait_seconds"),
         "time_compute_seconds": slowest("compute_seconds"),
         "time_encode_seconds": slowest("encode_seconds"),
@@ -147,6 +158,7 @@ class DpgsEngine:
         self.hooks = EngineHooks()
         self.global_step = 0  # the master's version
         self.skip_steps = 0  # steps of the first epoch already done before a resume
+        self.so_far = EpochSoFar()  # what they added to that epoch's metrics
         self.restarts_before = group.restarts
         self.measured = AutoMeasurements() if measured is None else measured
         self.keep = KeepSchedule(self.cfg.compression, self.measured)
@@ -213,14 +225,14 @@ class DpgsEngine:
         self.validated = None
         plans = self.plan_epoch(batches, epoch)
         todo = plans[self.skip_steps :]
-        reports = ChunkReports()
+        reports, before, self.so_far = ChunkReports(), self.so_far, EpochSoFar()
         figures = {}
         if self.keep.auto and todo:
             todo, figures = self._choose_keep_ratio(todo, plans, epoch)
         if todo:
             todo = self._second_moment(todo, epoch)
         for chunk in self._chunks(todo):
-            self._run_chunk(chunk, plans, epoch, history, reports)
+            self._run_chunk(chunk, plans, epoch, history, reports, before)
         if self.validation is not None and len(reports.scored) == len(self.group.workers):
             self.validated = Predictions.merge(list(reports.scored.values()), list(self.validation.indices))
         self.skip_steps = 0
@@ -229,15 +241,16 @@ class DpgsEngine:
         self.group.ask_state(weights=not self.replicas_exact, sync_states=self.checkpoint_path is not None)
         if self.keep.auto:
             self._measured(reports, todo)
-        metrics = epoch_metrics(reports, len(self.group.workers))
+        metrics = epoch_metrics(reports, len(self.group.workers), before)
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["worker_restarts"] = float(self.restarts)
         metrics["second_moment_frozen"] = float(self.keep.frozen_since is not None)  # Adam's v, this epoch
         return {**metrics, **figures}
 
     def _run_chunk(self, chunk: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
-                   reports: ChunkReports) -> None:
-        """Run ``chunk`` (steps of ``plans``) on the group, adding its reports; checkpoint after it."""
+                   reports: ChunkReports, before: EpochSoFar) -> None:
+        """Run ``chunk`` (steps of ``plans``) on the group, adding its reports; checkpoint after it (with
+        what the epoch's steps so far added to its metrics: ``before`` a resume, and ``reports``)."""
         following = plans[chunk[-1].step_in_epoch + 1] if chunk[-1].step_in_epoch + 1 < len(plans) else None
         score = None
         if following is None and self.validation is not None:  # the epoch's last chunk
@@ -249,7 +262,9 @@ class DpgsEngine:
         except WorkerFailure as err:
             if self.checkpoint_path is None:
                 raise WorkerFailure(f"{err}; {kfold_resume_hint(self.out_dir)}") from err
-            path = self.checkpoint(epoch, self.group.version() - plans[0].index, history)
+            # the failed chunk's reports are lost: the steps it took count in the weights, not the metrics
+            path = self.checkpoint(epoch, self.group.version() - plans[0].index, history,
+                                   epoch_so_far(reports, before))
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
         except MasterFailure as err:
             path = self.checkpoint_path
@@ -268,7 +283,7 @@ class DpgsEngine:
         if self.hooks.after_chunk is not None:
             self.hooks.after_chunk(self, epoch, step_in_epoch)
         if self.config.train.checkpoint_every and step_in_epoch < len(plans):
-            self.checkpoint(epoch, step_in_epoch, history)
+            self.checkpoint(epoch, step_in_epoch, history, epoch_so_far(reports, before))
 
     # ------------------------------------------------------------------ keep_ratio=auto
     def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int
@@ -336,14 +351,16 @@ class DpgsEngine:
             self.measured.bytes = self.measured.bytes.calibrated(ratio, sum(sizes) / len(sizes))
 
     # ------------------------------------------------------------------ state
-    def _driver_state(self, epoch: int, step_in_epoch: int, history: list[dict]) -> DriverProgress:
-        """The driver's part of a checkpoint: its progress (resume before ``step_in_epoch`` of ``epoch``)."""
-        progress = DpgsProgress(self.restarts, self.keep.steady, self.keep.first_compressed)
+    def _driver_state(self, epoch: int, step_in_epoch: int, history: list[dict],
+                      so_far: EpochSoFar) -> DriverProgress:
+        """The driver's part of a checkpoint: its progress (resume before ``step_in_epoch`` of ``epoch``,
+        whose steps before it added ``so_far`` to the epoch's metrics)."""
+        progress = DpgsProgress(self.restarts, self.keep.steady, self.keep.first_compressed, so_far)
         return DriverProgress(epoch, step_in_epoch, history, config_to_dict(self.config), progress.to_file())
 
-    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict]) -> Path:
+    def checkpoint(self, epoch: int, step_in_epoch: int, history: list[dict], so_far: EpochSoFar) -> Path:
         """Master state, workers' residuals and the driver's progress, written before this returns."""
-        driver = self._driver_state(epoch, step_in_epoch, history)
+        driver = self._driver_state(epoch, step_in_epoch, history, so_far)
         return Path(self.group.save_checkpoint(str(self.checkpoint_path), driver))
 
     def save_epoch(self, end: EpochEnd) -> None:
@@ -355,7 +372,7 @@ class DpgsEngine:
         files = [str(Path(p).resolve()) for p in end.weights_files]  # the master runs in another directory
         checkpoint = None
         if self.checkpoint_path is not None:
-            driver = self._driver_state(end.epoch + 1, 0, end.history)
+            driver = self._driver_state(end.epoch + 1, 0, end.history, EpochSoFar())
             checkpoint = EpochCheckpoint(str(self.checkpoint_path), driver)
         self.group.save_epoch(files, checkpoint)
 
@@ -369,6 +386,7 @@ class DpgsEngine:
         self.validated = None
         self.global_step = self.group.restore(checkpoint)
         self.skip_steps = driver.step_in_epoch
+        self.so_far = progress.so_far
         self.restarts_before = self.group.restarts - progress.worker_restarts
         if progress.keep_ratio is not None:
             self.keep.steady = progress.keep_ratio

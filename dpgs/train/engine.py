@@ -22,6 +22,28 @@ from dpgs.train.evaluate import EvalProtocol, Predictions
 
 
 @dataclass(frozen=True)
+class EpochSoFar:
+    """What an epoch's steps before a checkpoint within it added to the epoch's metrics: the loss summed
+    over their bags (``loss_sum``, summed in the order the epoch sums it), the bags (``bags``) and the
+    optimizer steps (``steps``). A checkpoint carries it, so the epoch resumed from there ends with the
+    uninterrupted epoch's ``train_loss`` and ``optimizer_steps`` (zero at an epoch's start)."""
+
+    loss_sum: float = 0.0
+    bags: int = 0
+    steps: int = 0
+
+    def to_file(self) -> dict:
+        return {"sum": self.loss_sum, "bags": self.bags, "steps": self.steps}
+
+    @classmethod
+    def from_file(cls, saved: dict | None) -> EpochSoFar:
+        """The inverse of :meth:`to_file`; None (a checkpoint written before it was kept): nothing."""
+        if saved is None:
+            return cls()
+        return cls(float(saved["sum"]), int(saved["bags"]), int(saved.get("steps", 0)))
+
+
+@dataclass(frozen=True)
 class Validation:
     """The bags a fold is validated on after every epoch (``indices``), and how (``protocol``)."""
 

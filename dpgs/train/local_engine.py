@@ -8,8 +8,9 @@ A single-split run writes ``checkpoint.pt`` at every epoch's end, and within an 
 ``train.checkpoint_every``-th optimizer step of the run (``dpgs.records``' format, the process in the
 master's place: its weights, optimizer and steps taken; no step synchronisation, no workers). The driver's
 part also holds the random states that the next step draws from: torch's default generator (dropout; on
-CUDA the device's too) and the generator of ``train.mode=sampling``; within an epoch also the epoch's
-loss summed so far and its bag count, so the resumed epoch's ``train_loss`` is the uninterrupted one's.
+CUDA the device's too) and the generator of ``train.mode=sampling``; within an epoch also what its steps
+so far added to its metrics (:class:`~dpgs.train.engine.EpochSoFar`), so the resumed epoch's
+``train_loss`` and ``optimizer_steps`` are the uninterrupted one's.
 Batches, learning rates and tile samples follow from the seed and the epoch, so a run resumed from the
 checkpoint skips the epoch's batches of the steps already taken and takes the steps an uninterrupted run
 takes, bit for bit on the same machine. A checkpoint is written only after an optimizer step, where no
@@ -33,7 +34,7 @@ from dpgs.data import Prefetcher
 from dpgs.modeling import input_to
 from dpgs.outputs import save_torch_atomically
 from dpgs.records import CHECKPOINT_FILE, Checkpoint, DriverProgress, MasterCheckpoint, save_checkpoint
-from dpgs.train.engine import EpochEnd, FoldSetup
+from dpgs.train.engine import EpochEnd, EpochSoFar, FoldSetup
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
 from dpgs.train.optim import build_optimizer, clip_coefficient, grad_norm, learning_rate, optimizer_step
 from dpgs.train.steps import batch_loss, check_mode_supported
@@ -74,26 +75,21 @@ class RandomStates:
 @dataclass
 class LocalProgress:
     """The single-process engine's part of a checkpoint's :class:`~dpgs.records.DriverProgress`: the random
-    states, and the loss summed over the bags of the epoch's steps already taken (``loss_sum`` over
-    ``bags``; zero at an epoch's start)."""
+    states, and what the epoch's steps already taken added to its metrics (nothing at an epoch's start)."""
 
     random: RandomStates
-    loss_sum: float = 0.0
-    bags: int = 0
+    so_far: EpochSoFar = EpochSoFar()
 
     def to_file(self) -> dict:
         r = self.random
         return {"rng": {"cpu": r.cpu, "sampling": r.sampling, "cuda": r.cuda},
-                "epoch_loss": {"sum": self.loss_sum, "bags": self.bags}}
+                "epoch_so_far": self.so_far.to_file()}
 
     @classmethod
     def from_file(cls, engine: dict) -> LocalProgress:
-        """The inverse of :meth:`to_file`; a checkpoint written before ``epoch_loss`` existed was written at
-        an epoch's end (nothing summed yet)."""
         rng = engine["rng"]
-        loss = engine.get("epoch_loss", {"sum": 0.0, "bags": 0})
-        return cls(RandomStates(rng["cpu"], rng["sampling"], rng.get("cuda")), float(loss["sum"]),
-                   int(loss["bags"]))
+        return cls(RandomStates(rng["cpu"], rng["sampling"], rng.get("cuda")),
+                   EpochSoFar.from_file(engine.get("epoch_so_far")))
 
 
 class LocalSession:
@@ -142,8 +138,7 @@ class LocalEngine:
         self.pending = 0  # batches back-propagated since the last optimizer step
         self.steps = 0
         self.lr = cfg.lr  # learning rate of the next optimizer step
-        self.resumed: LocalProgress | None = None  # a mid-epoch checkpoint's: the next epoch continues it
-        self.skip_steps = 0  # optimizer steps of the next epoch taken before a resume
+        self.so_far = EpochSoFar()  # the next epoch's steps taken before a resume
 
     def _apply(self) -> None:
         if self.pending == 0:
@@ -188,10 +183,10 @@ class LocalEngine:
         """
         self.model.train()
         accumulate, every = self.cfg.accumulation_steps, self.cfg.checkpoint_every
-        total, count = (self.resumed.loss_sum, self.resumed.bags) if self.resumed is not None else (0.0, 0)
-        first = self.skip_steps * accumulate  # the first batch still to train
-        steps_before = self.steps - self.skip_steps
-        self.resumed, self.skip_steps = None, 0
+        done, self.so_far = self.so_far, EpochSoFar()
+        total, count = done.loss_sum, done.bags
+        first = done.steps * accumulate  # the first batch still to train
+        steps_before = self.steps - done.steps
         start = time.perf_counter()
         steps_per_epoch = math.ceil(len(batches) / accumulate)
         # tiles: the epoch's sample of each bag (the same whichever batches are skipped)
@@ -204,8 +199,9 @@ class LocalEngine:
             count += n
             stepped = self.pending == 0
             if stepped and every and self.steps % every == 0 and b + 1 < len(batches):
-                self._save_within(epoch, (b + 1) // accumulate, history or [], LocalProgress(
-                    RandomStates.of(self.device, self.sample_gen), total, count))
+                so_far = EpochSoFar(total, count, self.steps - steps_before)
+                self._save_within(epoch, history or [], LocalProgress(
+                    RandomStates.of(self.device, self.sample_gen), so_far))
         self._apply()
         return {
             "train_loss": total / max(count, 1),
@@ -213,13 +209,13 @@ class LocalEngine:
             "optimizer_steps": float(self.steps - steps_before),
         }
 
-    def _save_within(self, epoch: int, step_in_epoch: int, history: list[dict],
-                     progress: LocalProgress) -> None:
-        """The checkpoint that continues ``epoch`` before its optimizer step ``step_in_epoch``."""
+    def _save_within(self, epoch: int, history: list[dict], progress: LocalProgress) -> None:
+        """The checkpoint that continues ``epoch`` after the steps of ``progress.so_far``."""
         if self.checkpoint is None:
             return
         master = MasterCheckpoint(self.model.state_dict(), self.optimizer.state_dict(), self.steps, sync={})
-        driver = DriverProgress(epoch, step_in_epoch, history, self.checkpoint.config, progress.to_file())
+        driver = DriverProgress(epoch, progress.so_far.steps, history, self.checkpoint.config,
+                                progress.to_file())
         save_checkpoint(self.checkpoint.path, master, driver, workers=[])
 
     def evaluate(self, indices: list[int], protocol: EvalProtocol, state: dict | None = None) -> Predictions:
@@ -258,8 +254,7 @@ class LocalEngine:
         self.steps = checkpoint.master.step
         progress = LocalProgress.from_file(checkpoint.driver.engine)
         progress.random.restore(self.device, self.sample_gen)
-        self.skip_steps = checkpoint.driver.step_in_epoch
-        self.resumed = progress if self.skip_steps else None
+        self.so_far = progress.so_far
         return checkpoint.driver
 
     def final_metrics(self) -> dict:

@@ -4,6 +4,7 @@ the master, fault tolerance, resume (residuals included), accumulation, k-fold r
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ from dpgs.errors import RunFailure
 from dpgs.modeling import ModelSpec
 from dpgs.records import CHECKPOINT_FILE
 from dpgs.runner import run_training
-from dpgs.train.engine import EpochEnd
+from dpgs.train.engine import EpochEnd, EpochSoFar
 from dpgs.train.local_engine import LocalEngine
 from tests.distributed.test_failures import closed_address
 from tests.dpgs_helpers import dpgs_engine, experiment_data, fold_setup, make_config, write_bags
@@ -375,7 +376,7 @@ def test_a_relative_output_dir_is_the_drivers_also_for_the_master(ray_cluster, b
     data = experiment_data(config)
     spec, model = start(config, data)
     with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
-        written = engine.checkpoint(1, 0, [])
+        written = engine.checkpoint(1, 0, [], EpochSoFar())
     assert written == tmp_path / "run" / CHECKPOINT_FILE and written.is_file()
 
 
@@ -402,7 +403,8 @@ class DriverKilled(RuntimeError):
                  marks=pytest.mark.slow)])
 def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_path, compression):
     """Checkpoints hold the workers' residuals (and, frozen, the master's FrozenAdam), so a resumed
-    compressed run equals the uninterrupted one."""
+    compressed run equals the uninterrupted one; and what the epoch's steps before the crash added to its
+    metrics, so the resumed epoch logs the uninterrupted one's ``train_loss`` and ``optimizer_steps``."""
     common = ["train.mode=dpgs", "dpgs.workers=2", "train.epochs=2", "train.batch_size=4",
               "train.checkpoint_every=1", *compression]
     full = make_config(*bags, tmp_path / "full", *common)
@@ -435,6 +437,10 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
     a = torch.load(tmp_path / "cut" / "last.pt", weights_only=True)
     b = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
     assert_close(a, b, 1e-6)
+    rows = {name: list(csv.DictReader((tmp_path / name / "metrics.csv").open())) for name in ("cut", "full")}
+    assert [r["optimizer_steps"] for r in rows["cut"]] == [r["optimizer_steps"] for r in rows["full"]]
+    for cut, full in zip(rows["cut"], rows["full"], strict=True):
+        assert float(cut["train_loss"]) == pytest.approx(float(full["train_loss"]), rel=1e-6)
 
 
 def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, tmp_path, monkeypatch):
