@@ -10,11 +10,11 @@ master's place: its weights, optimizer and steps taken; no step synchronisation,
 part also holds the random states that the next step draws from: torch's default generator (dropout; on
 CUDA the device's too) and the generator of ``train.mode=sampling``; within an epoch also what its steps
 so far added to its metrics (:class:`~dpgs.train.engine.EpochSoFar`), so the resumed epoch's
-``train_loss`` and ``optimizer_steps`` are the uninterrupted one's.
-Batches, learning rates and tile samples follow from the seed and the epoch, so a run resumed from the
-checkpoint skips the epoch's batches of the steps already taken and takes the steps an uninterrupted run
-takes, bit for bit on the same machine. A checkpoint is written only after an optimizer step, where no
-gradient of an accumulation window is pending.
+``train_loss`` and ``optimizer_steps`` are the uninterrupted one's. Batches, learning rates and tile
+samples follow from the seed and the epoch, so a run resumed from the checkpoint skips the epoch's
+batches of the steps already taken and takes the steps an uninterrupted run takes, bit for bit on the
+same machine. A checkpoint is written only after an optimizer step, where no gradient of an
+accumulation window is pending.
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ class RandomStates:
         sampling.set_state(self.sampling)
         if device.type == "cuda" and self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, device)
-
 
 
 @dataclass
