@@ -91,9 +91,13 @@ def test_checkpoints_within_epochs_are_refused_for_a_kfold_command():
     assert single.writes_checkpoints and single.train.checkpoint_every == 10
 
 
-def test_the_key_checkpoint_every_had_in_the_dpgs_section_names_its_new_place():
+def test_the_key_checkpoint_every_had_in_the_dpgs_section_names_its_new_place(tmp_path):
     """``dpgs.checkpoint_every`` (DPGS's alone until every mode wrote checkpoints within an epoch) is refused
-    with the key to set instead, in a config file as on the command line."""
-    with pytest.raises(ConfigError, match=r"dpgs.checkpoint_every is now train.checkpoint_every.*"
-                                          r"set train.checkpoint_every=4"):
+    with the key to set instead, on the command line as in a config file (named)."""
+    moved = r"dpgs.checkpoint_every is now train.checkpoint_every.*set train.checkpoint_every=4"
+    with pytest.raises(ConfigError, match=moved):
         load_config(None, ["dpgs.checkpoint_every=4"])
+    path = tmp_path / "old.yaml"
+    path.write_text("dpgs:\n  checkpoint_every: 4\n")
+    with pytest.raises(ConfigError, match=moved + r" \(.*old\.yaml\)"):
+        load_config(path, [])
