@@ -578,13 +578,13 @@ def test_auto_starts_a_later_fold_from_what_the_folds_before_it_measured(ray_clu
         session.close()
 
 
-def test_auto_freezes_the_second_moment_after_a_dense_warm_up(ray_cluster, long_bags, tmp_path):
-    """keep_ratio=auto and second_moment=auto on a head: behind 20 Mbit/s links (a dense exchange of about
-    the compute) auto compresses (``auto_share`` 0.01); where it runs the warm-up epoch dense
-    (``auto_warmup_share`` high), every rank freezes Adam's second moment at the first compressed step,
-    and the run is bit for bit the fixed ratio's with second_moment=frozen (whose warm-up is dense too).
-    Deciding live there, or freezing a step early or late, would differ."""
-    auto = make_config(*long_bags, tmp_path / "auto", "train.mode=dpgs", "dpgs.workers=2",
+def test_auto_freezes_the_second_moment_after_a_dense_warm_up(ray_cluster, bags, tmp_path):
+    """keep_ratio=auto and second_moment=auto on a head: behind 20 Mbit/s links (a dense exchange of 0.2 s
+    each way, against milliseconds of compute on these short bags) auto compresses; where it runs the
+    warm-up epoch dense (``auto_warmup_share`` high), every rank freezes Adam's second moment at the first
+    compressed step, and the run is bit for bit the fixed ratio's with second_moment=frozen (whose warm-up
+    is dense too). Deciding live there, or freezing a step early or late, would differ."""
+    auto = make_config(*bags, tmp_path / "auto", "train.mode=dpgs", "dpgs.workers=2",
                        "dpgs.compression.warmup_epochs=1", "dpgs.compression.keep_ratio=auto",
                        "dpgs.compression.auto_ratios=[1.0,0.1]", "dpgs.compression.auto_share=0.01",
                        "dpgs.compression.auto_min_saving=0.01", "dpgs.compression.auto_warmup_share=1000",
@@ -598,7 +598,7 @@ def test_auto_freezes_the_second_moment_after_a_dense_warm_up(ray_cluster, long_
     assert [e["second_moment_frozen"] for e in stats] == [0.0, 1.0]  # logged with the epoch's metrics
     assert all("denom" in state for state in master.optimizer["state"].values())  # FrozenAdam's
     assert all(torch.equal(r.params, master.params) for r in replicas)
-    fixed = make_config(*long_bags, tmp_path / "fixed", "train.mode=dpgs", "dpgs.workers=2",
+    fixed = make_config(*bags, tmp_path / "fixed", "train.mode=dpgs", "dpgs.workers=2",
                         "dpgs.compression.warmup_epochs=1", "dpgs.compression.keep_ratio=0.1",
                         "dpgs.compression.second_moment=frozen")
     same, fixed_stats, _, _ = dpgs_run(fixed, data, batches, epochs=2)
