@@ -81,29 +81,34 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def epoch_so_far(reports: ChunkReports, before: EpochSoFar) -> EpochSoFar:
+def epoch_so_far(reports: ChunkReports, workers: int, before: EpochSoFar) -> EpochSoFar:
     """``before`` (the epoch's steps before a resume) and the steps of ``reports``: their loss, summed on
-    from ``before``'s in report order, their bags and their steps."""
-    loss = sum((sum(r.losses) for r in reports.workers), start=before.loss_sum)
-    return EpochSoFar(loss, before.bags + sum(r.n_bags for r in reports.workers),
-                      before.steps + len(reports.master))
+    from ``before``'s in report order, their bags, their steps and their bytes (the dense size counts the
+    master's message down once per worker)."""
+    w, m = reports.workers, reports.master
+    return EpochSoFar(
+        sum((sum(r.losses) for r in w), start=before.loss_sum),
+        before.bags + sum(r.n_bags for r in w),
+        before.steps + len(m),
+        before.up_bytes + sum(r.up_bytes for r in w),
+        before.down_bytes + sum(r.down_bytes for r in w),
+        before.dense_bytes + sum(r.dense_bytes for r in w) + sum(s.down_dense_bytes for s in m) * workers,
+    )
 
 
 def epoch_metrics(reports: ChunkReports, workers: int, before: EpochSoFar | None = None) -> dict[str, float]:
-    """The epoch's DPGS metrics from the ranks' per-step reports (names: docs/architecture.md);
-    ``train_loss`` and ``optimizer_steps`` also count ``before``, the epoch's steps before a resume.
+    """The epoch's DPGS metrics from the ranks' per-step reports (names: docs/architecture.md); the loss,
+    step and byte counts also count ``before``, the epoch's steps before a resume.
 
     Per step: compute = the slowest worker's forward/backward, overhead = step time - compute; phases are
     the slowest worker's (or the master's) seconds, averaged over steps (those after a resume).
     """
-    epoch = epoch_so_far(reports, before or EpochSoFar())
+    epoch = epoch_so_far(reports, workers, before or EpochSoFar())
     by_step: dict[int, list] = defaultdict(list)
     for report in reports.workers:
         by_step[report.index].append(report)
     master = sorted(reports.master, key=lambda m: m.index)
-    up = sum(r.up_bytes for r in reports.workers)
-    down = sum(r.down_bytes for r in reports.workers)
-    dense = sum(r.dense_bytes for r in reports.workers) + sum(m.down_dense_bytes for m in master) * workers
+    up, down, dense = epoch.up_bytes, epoch.down_bytes, epoch.dense_bytes
     slowest = lambda key: _mean(
         [max((getattr(r, key) for r in by_step[m.index]), default=0.0) for m in master]
     )
@@ -114,7 +119,7 @@ def epoch_metrics(reports: ChunkReports, workers: int, before: EpochSoFar | None
         "comm_bytes_down": float(down),
         "comm_dense_bytes": float(dense),
         "compression_ratio": dense / (up + down) if up + down else math.nan,
-        "comm_bytes_per_step": (up + down) / max(len(master), 1),
+        "comm_bytes_per_step": (up + down) / max(epoch.steps, 1),
         "step_seconds": _mean([m.step_seconds for m in master]),
         "step_overhead_seconds": _mean([m.step_seconds - compute[m.index] for m in master]),
         "worker_imbalance": _mean([imbalance([r.compute_seconds for r in by_step[m.index]]) for m in master]),
@@ -264,7 +269,7 @@ class DpgsEngine:
                 raise WorkerFailure(f"{err}; {kfold_resume_hint(self.out_dir)}") from err
             # the failed chunk's reports are lost: the steps it took count in the weights, not the metrics
             path = self.checkpoint(epoch, self.group.version() - plans[0].index, history,
-                                   epoch_so_far(reports, before))
+                                   epoch_so_far(reports, len(self.group.workers), before))
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
         except MasterFailure as err:
             path = self.checkpoint_path
@@ -283,7 +288,8 @@ class DpgsEngine:
         if self.hooks.after_chunk is not None:
             self.hooks.after_chunk(self, epoch, step_in_epoch)
         if self.config.train.checkpoint_every and step_in_epoch < len(plans):
-            self.checkpoint(epoch, step_in_epoch, history, epoch_so_far(reports, before))
+            self.checkpoint(epoch, step_in_epoch, history,
+                            epoch_so_far(reports, len(self.group.workers), before))
 
     # ------------------------------------------------------------------ keep_ratio=auto
     def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int

@@ -23,24 +23,30 @@ from dpgs.train.evaluate import EvalProtocol, Predictions
 
 @dataclass(frozen=True)
 class EpochSoFar:
-    """What an epoch's steps before a checkpoint within it added to the epoch's metrics: the loss summed
-    over their bags (``loss_sum``, summed in the order the epoch sums it), the bags (``bags``) and the
-    optimizer steps (``steps``). A checkpoint carries it, so the epoch resumed from there ends with the
-    uninterrupted epoch's ``train_loss`` and ``optimizer_steps`` (zero at an epoch's start)."""
+    """What an epoch's steps before a checkpoint within it added to the epoch's summed metrics: the loss
+    summed over their bags (``loss_sum``, summed in the order the epoch sums it), the bags (``bags``), the
+    optimizer steps (``steps``) and, in DPGS, the bytes sent up and down and their dense size (zero in a
+    single process). A checkpoint carries it, so the epoch resumed from there ends with the uninterrupted
+    epoch's ``train_loss``, ``optimizer_steps`` and byte counts (all zero at an epoch's start)."""
 
     loss_sum: float = 0.0
     bags: int = 0
     steps: int = 0
+    up_bytes: int = 0
+    down_bytes: int = 0
+    dense_bytes: int = 0
 
     def to_file(self) -> dict:
-        return {"sum": self.loss_sum, "bags": self.bags, "steps": self.steps}
+        return {"sum": self.loss_sum, "bags": self.bags, "steps": self.steps, "up_bytes": self.up_bytes,
+                "down_bytes": self.down_bytes, "dense_bytes": self.dense_bytes}
 
     @classmethod
     def from_file(cls, saved: dict | None) -> EpochSoFar:
         """The inverse of :meth:`to_file`; None (a checkpoint written before it was kept): nothing."""
         if saved is None:
             return cls()
-        return cls(float(saved["sum"]), int(saved["bags"]), int(saved.get("steps", 0)))
+        return cls(float(saved["sum"]), int(saved["bags"]), int(saved["steps"]), int(saved["up_bytes"]),
+                   int(saved["down_bytes"]), int(saved["dense_bytes"]))
 
 
 @dataclass(frozen=True)

@@ -404,7 +404,8 @@ class DriverKilled(RuntimeError):
 def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_path, compression):
     """Checkpoints hold the workers' residuals (and, frozen, the master's FrozenAdam), so a resumed
     compressed run equals the uninterrupted one; and what the epoch's steps before the crash added to its
-    metrics, so the resumed epoch logs the uninterrupted one's ``train_loss`` and ``optimizer_steps``."""
+    metrics, so the resumed epoch logs the uninterrupted one's ``train_loss``, ``optimizer_steps`` and
+    bytes (compressed payloads: within a few bytes, their values equal to 1e-6 only)."""
     common = ["train.mode=dpgs", "dpgs.workers=2", "train.epochs=2", "train.batch_size=4",
               "train.checkpoint_every=1", *compression]
     full = make_config(*bags, tmp_path / "full", *common)
@@ -441,6 +442,9 @@ def test_driver_killed_and_resumed_matches_uninterrupted(ray_cluster, bags, tmp_
     assert [r["optimizer_steps"] for r in rows["cut"]] == [r["optimizer_steps"] for r in rows["full"]]
     for cut, full in zip(rows["cut"], rows["full"], strict=True):
         assert float(cut["train_loss"]) == pytest.approx(float(full["train_loss"]), rel=1e-6)
+        assert cut["comm_dense_bytes"] == full["comm_dense_bytes"]
+        for key in ("comm_bytes_up", "comm_bytes_down", "comm_bytes_per_step"):
+            assert float(cut[key]) == pytest.approx(float(full[key]), rel=1e-3), key
 
 
 def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, tmp_path, monkeypatch):
