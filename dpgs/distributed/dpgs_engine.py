@@ -82,9 +82,9 @@ def _mean(values: list[float]) -> float:
 
 
 def epoch_so_far(reports: ChunkReports, workers: int, before: EpochSoFar) -> EpochSoFar:
-    """``before`` (the epoch's steps before a resume) and the steps of ``reports``: their loss, summed on
-    from ``before``'s in report order, their bags, their steps and their bytes (the dense size counts the
-    master's message down once per worker)."""
+    """``before`` (what the epoch's earlier steps added to its metrics) and the steps of ``reports``: their
+    loss, summed on from ``before``'s in report order, their bags, their steps and their bytes (the dense
+    size counts the master's message down once per worker)."""
     w, m = reports.workers, reports.master
     return EpochSoFar(
         sum((sum(r.losses) for r in w), start=before.loss_sum),
@@ -96,14 +96,15 @@ def epoch_so_far(reports: ChunkReports, workers: int, before: EpochSoFar) -> Epo
     )
 
 
-def epoch_metrics(reports: ChunkReports, workers: int, before: EpochSoFar | None = None) -> dict[str, float]:
+def epoch_metrics(reports: ChunkReports, workers: int, totals: EpochSoFar | None = None) -> dict[str, float]:
     """The epoch's DPGS metrics from the ranks' per-step reports (names: docs/architecture.md); the loss,
-    step and byte counts also count ``before``, the epoch's steps before a resume.
+    step and byte counts are ``totals``, the epoch's (its steps before a resume included; None: those of
+    ``reports``, :func:`epoch_so_far`).
 
     Per step: compute = the slowest worker's forward/backward, overhead = step time - compute; phases are
     the slowest worker's (or the master's) seconds, averaged over steps (those after a resume).
     """
-    epoch = epoch_so_far(reports, workers, before or EpochSoFar())
+    epoch = totals if totals is not None else epoch_so_far(reports, workers, EpochSoFar())
     by_step: dict[int, list] = defaultdict(list)
     for report in reports.workers:
         by_step[report.index].append(report)
@@ -230,14 +231,14 @@ class DpgsEngine:
         self.validated = None
         plans = self.plan_epoch(batches, epoch)
         todo = plans[self.skip_steps :]
-        reports, before, self.so_far = ChunkReports(), self.so_far, EpochSoFar()
+        reports, totals, self.so_far = ChunkReports(), self.so_far, EpochSoFar()
         figures = {}
         if self.keep.auto and todo:
             todo, figures = self._choose_keep_ratio(todo, plans, epoch)
         if todo:
             todo = self._second_moment(todo, epoch)
         for chunk in self._chunks(todo):
-            self._run_chunk(chunk, plans, epoch, history, reports, before)
+            totals = self._run_chunk(chunk, plans, epoch, history, reports, totals)
         if self.validation is not None and len(reports.scored) == len(self.group.workers):
             self.validated = Predictions.merge(list(reports.scored.values()), list(self.validation.indices))
         self.skip_steps = 0
@@ -246,16 +247,17 @@ class DpgsEngine:
         self.group.ask_state(weights=not self.replicas_exact, sync_states=self.checkpoint_path is not None)
         if self.keep.auto:
             self._measured(reports, todo)
-        metrics = epoch_metrics(reports, len(self.group.workers), before)
+        metrics = epoch_metrics(reports, len(self.group.workers), totals)
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["worker_restarts"] = float(self.restarts)
         metrics["second_moment_frozen"] = float(self.keep.frozen_since is not None)  # Adam's v, this epoch
         return {**metrics, **figures}
 
     def _run_chunk(self, chunk: list[StepPlan], plans: list[StepPlan], epoch: int, history: list[dict],
-                   reports: ChunkReports, before: EpochSoFar) -> None:
-        """Run ``chunk`` (steps of ``plans``) on the group, adding its reports; checkpoint after it (with
-        what the epoch's steps so far added to its metrics: ``before`` a resume, and ``reports``)."""
+                   reports: ChunkReports, totals: EpochSoFar) -> EpochSoFar:
+        """Run ``chunk`` (steps of ``plans``) on the group, adding its reports; checkpoint after it. Returns
+        ``totals`` (what the epoch's steps before the chunk added to its metrics) with the chunk's steps
+        added: each chunk's reports are summed once, in the epoch's order."""
         following = plans[chunk[-1].step_in_epoch + 1] if chunk[-1].step_in_epoch + 1 < len(plans) else None
         score = None
         if following is None and self.validation is not None:  # the epoch's last chunk
@@ -268,8 +270,7 @@ class DpgsEngine:
             if self.checkpoint_path is None:
                 raise WorkerFailure(f"{err}; {kfold_resume_hint(self.out_dir)}") from err
             # the failed chunk's reports are lost: the steps it took count in the weights, not the metrics
-            path = self.checkpoint(epoch, self.group.version() - plans[0].index, history,
-                                   epoch_so_far(reports, len(self.group.workers), before))
+            path = self.checkpoint(epoch, self.group.version() - plans[0].index, history, totals)
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
         except MasterFailure as err:
             path = self.checkpoint_path
@@ -283,13 +284,14 @@ class DpgsEngine:
         reports.master += done.master
         reports.workers += done.workers
         reports.scored.update(done.scored)
+        totals = epoch_so_far(done, len(self.group.workers), totals)
         self.global_step = chunk[-1].index + 1
         step_in_epoch = chunk[-1].step_in_epoch + 1
         if self.hooks.after_chunk is not None:
             self.hooks.after_chunk(self, epoch, step_in_epoch)
         if self.config.train.checkpoint_every and step_in_epoch < len(plans):
-            self.checkpoint(epoch, step_in_epoch, history,
-                            epoch_so_far(reports, len(self.group.workers), before))
+            self.checkpoint(epoch, step_in_epoch, history, totals)
+        return totals
 
     # ------------------------------------------------------------------ keep_ratio=auto
     def _choose_keep_ratio(self, todo: list[StepPlan], plans: list[StepPlan], epoch: int
