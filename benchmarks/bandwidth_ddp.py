@@ -136,7 +136,7 @@ def train(args, overrides: list[str]) -> dict | None:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(cfg, epoch, s, len(batches))
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             steps.append({"epoch": epoch, "step_in_epoch": s, "start": t0, "end": time.time()})
         row = {"epoch": epoch, "train_seconds": time.perf_counter() - epoch_start}
         losses = [None] * world if rank == 0 else None

@@ -105,7 +105,7 @@ def _rank_main(rank: int, world: int, store_file: str, overrides: list[str], sty
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(train, epoch, s, len(batches))
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
         train_seconds = time.perf_counter() - epoch_start
         row = {"epoch": epoch, "train_seconds": train_seconds}
         if rank == 0 and split.val:

@@ -20,6 +20,7 @@ from dpgs.distributed.flat import flat_params, float_buffers, load_flat_params, 
 from dpgs.distributed.messages import ReplicaState
 from dpgs.train.frozen_adam import FrozenAdam, freeze
 from dpgs.train.optim import build_optimizer, optimizer_step
+from dpgs.train.optimizers import Optimizer
 
 
 class Replica:
@@ -32,8 +33,8 @@ class Replica:
         self.numel = sum(p.numel() for p in self.params)
         self.buffer_list = float_buffers(model)
         self.n_buffers = sum(b.numel() for b in self.buffer_list)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._denominators: tuple[torch.optim.Optimizer, torch.Tensor] | None = None  # (frozen optimizer, d)
+        self.optimizer: Optimizer | None = None
+        self._denominators: tuple[Optimizer, torch.Tensor] | None = None  # (frozen optimizer, d)
         self._gradient: torch.Tensor | None = None
         self.version = 0
 

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import torch
 
+from dpgs.train.optimizers import Adam, Optimizer
 
-class FrozenAdam(torch.optim.Optimizer):
+
+class FrozenAdam(Optimizer):
     """The update above; ``p.grad`` holds the preconditioned mean gradient ``u`` (already divided by
     ``state["denom"]``). Build it with :func:`freeze` (from an Adam or AdamW that has stepped) or
     :meth:`empty` (the skeleton a saved state is loaded into)."""
@@ -54,9 +56,7 @@ class FrozenAdam(torch.optim.Optimizer):
                                                                                       False)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("FrozenAdam takes no closure")
+    def step(self) -> None:
         for group in self.param_groups:
             lr, (beta1, _), wd = group["lr"], group["betas"], group["weight_decay"]
             for p in group["params"]:
@@ -84,22 +84,18 @@ def floored_root(v_hat: torch.Tensor, floor: float) -> torch.Tensor:
     return root
 
 
-def freeze(adam: torch.optim.Optimizer, floor: float) -> FrozenAdam:
-    """The FrozenAdam that continues ``adam`` (a ``torch.optim.Adam`` or ``AdamW`` without amsgrad, one
-    parameter group, every parameter stepped at least once): ``d`` from its bias-corrected second moment,
+def freeze(adam: Optimizer, floor: float) -> FrozenAdam:
+    """The FrozenAdam that continues ``adam`` (an :class:`~dpgs.train.optimizers.Adam`, AdamW included, every
+    parameter stepped at least once): ``d`` from its bias-corrected second moment,
     ``m = m_hat / d``. Deterministic: every rank that freezes the same Adam state gets the same optimizer."""
-    if len(adam.param_groups) != 1:
-        raise ValueError(f"freezing an optimizer of {len(adam.param_groups)} parameter groups (expected 1)")
+    if not isinstance(adam, Adam):
+        raise ValueError(f"second_moment=frozen needs Adam or AdamW, not {type(adam).__name__}")
     group = adam.param_groups[0]
-    if not isinstance(adam, torch.optim.Adam | torch.optim.AdamW) or group.get("amsgrad"):
-        raise ValueError(
-            f"second_moment=frozen needs Adam or AdamW without amsgrad, not {type(adam).__name__}"
-        )
     params = group["params"]
     beta1, beta2 = group["betas"]
     eps = group["eps"]
-    decoupled = isinstance(adam, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
-    frozen = FrozenAdam(params, group["lr"], (beta1, beta2), eps, group["weight_decay"], decoupled, floor)
+    frozen = FrozenAdam(params, group["lr"], (beta1, beta2), eps, group["weight_decay"],
+                        group["decoupled_weight_decay"], floor)
     for p in params:
         state = adam.state.get(p)
         if not state:

@@ -12,24 +12,17 @@ import math
 import torch
 
 from dpgs.config.schema import TrainConfig
+from dpgs.train.optimizers import SGD, Adam, Optimizer
 
 
-def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The configured optimizer, fused (one kernel over all tensors) where torch supports it on CPU/CUDA."""
-    params = list(params)
-    fused = (
-        {"fused": True}
-        if params and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-        else {}
-    )
+def build_optimizer(params, cfg: TrainConfig) -> Optimizer:
+    """The configured optimizer (``dpgs.train.optimizers``: torch's fused kernels, without torch.optim)."""
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+        return Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **fused)
+        return Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, decoupled_weight_decay=True)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, **fused
-        )
+        return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     raise ValueError(f"train.optimizer: unknown optimizer '{cfg.optimizer}'")
 
 
@@ -115,7 +108,7 @@ def grad_norm(params: list[torch.Tensor]) -> float:
 
 
 def optimizer_step(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], lr: float, clip: float = 1.0
+    optimizer: Optimizer, params: list[torch.Tensor], lr: float, clip: float = 1.0
 ) -> None:
     """Take one step on the gradients held in ``p.grad``: every gradient times ``clip`` (see
     :func:`clip_coefficient`), learning rate ``lr`` for every parameter group, then the gradients are
@@ -127,7 +120,7 @@ def optimizer_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
 
 
 def class_weights_for(labels: list[int], num_classes: int) -> torch.Tensor:

@@ -211,6 +211,21 @@ def test_restarted_worker_starts_with_an_empty_residual(ray_cluster, bags, tmp_p
     assert after[0]["step"] == before[0]["step"] + 2
 
 
+def test_no_rank_imports_torch_dynamo(ray_cluster, bags, tmp_path):
+    """The master and the workers train (Adam, compressed) without importing ``torch._dynamo``, which
+    ``torch.optim``'s first use imports: 1.4-1.8 s of CPU and ~70 MB in each process at every run's start
+    (``dpgs.train.optimizers``)."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2", "train.optimizer=adam",
+                         "dpgs.compression.keep_ratio=0.05", LIVE)
+    data = experiment_data(config)
+    spec, model = start(config, data)
+    imported = lambda actor: "torch._dynamo" in __import__("sys").modules
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        engine.run_epoch([[0, 1, 2, 3]], 1, [])
+        ranks = [engine.group.master, *engine.group.workers.handles]
+        assert ray.get([rank.__ray_call__.remote(imported) for rank in ranks]) == [False] * 3
+
+
 def test_state_asked_at_an_epochs_end_is_the_groups_until_it_runs_steps(ray_cluster, bags, tmp_path):
     """At an epoch's end the engine asks the master for its weights and the workers for their residuals
     ahead (they arrive during validation); what the group then answers is exactly what the ranks hold,
