@@ -28,12 +28,13 @@ CUDA tensors of floating-point dtypes (the devices dpgs trains on).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 import torch
 
 
-class Optimizer:
+class Optimizer(ABC):
     """One parameter group, ``param_groups[0]``: its tensors under ``"params"`` and its hyperparameters (the
     learning rate is set before every step: ``dpgs.train.optim.optimizer_step``), and ``state``, each
     stepped parameter's tensors. Subclasses define :meth:`step`."""
@@ -49,8 +50,9 @@ class Optimizer:
     def params(self) -> list[torch.Tensor]:
         return self.param_groups[0]["params"]
 
+    @abstractmethod
     def step(self) -> None:
-        raise NotImplementedError
+        """One update of every parameter that has a gradient (``p.grad``), at ``param_groups[0]["lr"]``."""
 
     def zero_grad(self) -> None:
         """Release every gradient (``p.grad = None``)."""
