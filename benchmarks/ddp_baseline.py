@@ -8,7 +8,7 @@ backward per bag under ``no_sync()`` with one all-reduce per step (what most MIL
 ``packed`` mode runs one packed forward/backward per rank (dpgs's own segment operations). Rank 0
 evaluates on the validation bags after each epoch (the other ranks wait), like ``dpgs train``.
 
-    python benchmarks/ddp_baseline.py --workers 2 --epochs 8 [--style loop|packed] [dotted overrides]
+    python benchmarks/ddp_baseline.py --workers 2 [--style loop|packed] train.epochs=8 [dotted overrides]
 """
 
 from __future__ import annotations
