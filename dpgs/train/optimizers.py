@@ -7,9 +7,9 @@ Why not ``torch.optim`` itself: its first use in a process (building an optimize
 ``zero_grad``, ``state_dict``) imports ``torch._dynamo`` to exempt itself from compilation, 1.4-1.8 s of
 CPU and about 70 MB of memory on the development VM. The driver, the DPGS master and every worker paid it
 at the start of every run, and dpgs never compiles an optimizer step (the demo's whole DPGS command went
-from 37.2 s to 29.2 s on 2 cores: docs/benchmarks.md). The kernels are ``torch.optim``'s, so a step is bit for bit a ``torch.optim`` step
-with ``fused=True``, and a ``torch.optim`` state dict (a checkpoint written before dpgs had its own
-optimizers) loads and continues bit for bit (tests/train/test_optimizers.py).
+from 37.2 s to 29.2 s on 2 cores: docs/benchmarks.md). The kernels are ``torch.optim``'s, so a step is
+bit for bit a ``torch.optim`` step with ``fused=True``, and a ``torch.optim`` state dict (a checkpoint
+written before dpgs had its own optimizers) loads and continues bit for bit (tests/train/test_optimizers.py).
 
 Per parameter ``theta`` with gradient ``g`` and weight decay ``wd``, at step ``t = 1, 2, ...``:
 
