@@ -124,8 +124,7 @@ class Adam(Optimizer):
         for p in params:
             if p not in self.state:
                 self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         columns = [params, [p.grad for p in params],
                    *([self.state[p][name] for p in params] for name in ("step", "exp_avg", "exp_avg_sq"))]
         for params_, grads, steps, exp_avgs, exp_avg_sqs in by_device_and_dtype(columns):
@@ -147,15 +146,12 @@ class SGD(Optimizer):
         group = self.param_groups[0]
         momentum = group["momentum"]
         params = self._with_grads()
-        first = {p for p in params if momentum and p not in self.state}  # their buffer starts as g
-        for p in first:
-            self.state[p] = {"momentum_buffer": torch.empty_like(p, memory_format=torch.preserve_format)}
-        for is_first_step in (True, False):
-            chosen = [p for p in params if (p in first) == is_first_step]
-            if not chosen:
-                continue
-            buffers = [[self.state[p]["momentum_buffer"] for p in chosen]] if momentum else []
-            for params_, grads, *buffer in by_device_and_dtype([chosen, [p.grad for p in chosen], *buffers]):
-                torch._fused_sgd_(params_, grads, buffer[0] if buffer else [], lr=group["lr"],
-                                  weight_decay=group["weight_decay"], momentum=momentum, dampening=0.0,
-                                  nesterov=False, maximize=False, is_first_step=is_first_step)
+        if momentum:
+            for p in params:
+                if p not in self.state:  # b = mu * 0 + g: exactly g, the first step's buffer
+                    self.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+        buffers = [[self.state[p]["momentum_buffer"] for p in params]] if momentum else []
+        for params_, grads, *buffer in by_device_and_dtype([params, [p.grad for p in params], *buffers]):
+            torch._fused_sgd_(params_, grads, buffer[0] if buffer else [], lr=group["lr"],
+                              weight_decay=group["weight_decay"], momentum=momentum, dampening=0.0,
+                              nesterov=False, maximize=False, is_first_step=False)

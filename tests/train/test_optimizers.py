@@ -6,6 +6,7 @@ never imports ``torch._dynamo`` (what ``torch.optim`` costs at its first use).""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -111,8 +112,6 @@ def test_a_momentum_buffer_started_after_the_first_step_starts_as_that_steps_gra
 
 
 def _saved(state_dict: dict):
-    import io
-
     buffer = io.BytesIO()
     torch.save(state_dict, buffer)
     buffer.seek(0)
