@@ -62,9 +62,9 @@ class RecordingGroup(RankGroup):
         time.sleep(PAUSE_S)
         RecordingGroup.pauses.append({"end": time.time(), "seconds": PAUSE_S, "before": before})
 
-    def run(self, plan):
+    def run(self, plan, reports):
         start = time.time()
-        reports = super().run(plan)
+        super().run(plan, reports)
         end = time.time()
         RecordingGroup.chunks.append({
             "start": start, "end": end,
@@ -72,11 +72,9 @@ class RecordingGroup(RankGroup):
             "steps": [s.index for s in plan.steps],
             "keep_ratios": [s.keep_ratio for s in plan.steps],
             "master": [dataclasses.asdict(m) for m in reports.master],
-            "workers": [{k: v for k, v in dataclasses.asdict(r).items() if k != "losses"}
-                        for r in reports.workers],
+            "workers": [dataclasses.asdict(r) for r in reports.workers],
         })
         self._write()
-        return reports
 
     def ask_state(self, weights: bool, sync_states: bool):
         """As the group's, after a pause that lets the counter sampler (every 50 ms, interpolated) take a

@@ -215,7 +215,7 @@ def measure_dense(model: torch.nn.Module, grad: torch.Tensor, repeats: int) -> d
     total = grad.clone()
     state = torch.cat([replica.flat_params()] + ([] if buffers is None else [buffers.float()]))
     add = timed(lambda: total.add_(grad), repeats)
-    pack = timed(lambda: contribution(0, 1, grad, buffers), repeats)
+    pack = timed(lambda: contribution(0, 1, 0.0, grad, buffers), repeats)
 
     def load() -> None:
         replica.load_params(state[: replica.numel])

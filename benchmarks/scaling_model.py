@@ -30,8 +30,9 @@ from dataclasses import dataclass, field, replace
 MIB = 1 << 20
 DDP_FIRST_BUCKET_BYTES = 1 * MIB  # torch DDP: the first bucket is capped at 1 MiB ...
 DDP_BUCKET_BYTES = 25 * MIB  # ... the others at bucket_cap_mb = 25
-DPGS_FRAME_HEADER = 25  # dpgs.distributed.frames: struct "<4sBQdI"
+DPGS_FRAME_HEADER = 32  # dpgs.distributed.frames.HEADER: struct "<4sBQdII3x"
 DPGS_FRAME_PART = 8  # one u64 size per part
+DPGS_LOSS_SUM = 8  # a message up ends with the loss sum and buffers, float64 (sync.contract.tail_bytes)
 DPGS_RELAY_PIECE = 128 << 10  # dpgs.distributed.gloo.CHUNK: the relay forwards an upload in such pieces
 DPGS_ONE_PIECE_LATENCIES = 2  # per step whose messages are each one gloo message, see dpgs_latency
 DPGS_PIECED_LATENCIES = 6  # per step whose messages travel in pieces, see dpgs_latency
@@ -211,6 +212,11 @@ def dpgs_dense(w: Workload, s: Scenario) -> Step:
     return Step("dpgs-dense", s.workers, compute(w, s), cpu, comm, s.workers * (up + down), up + down)
 
 
+def up_tail_bytes(w: Workload) -> float:
+    """What follows the gradient in a worker's message up: its loss sum and buffers, float64."""
+    return DPGS_LOSS_SUM + 8 * w.buffer_numel
+
+
 def relay_frame_bytes(w: Workload) -> float:
     """The master's frame to every worker with ``downlink=gradients`` once the payloads were relayed: the
     float32 buffers, one size, header."""
@@ -219,12 +225,13 @@ def relay_frame_bytes(w: Workload) -> float:
 
 def dpgs_messages(w: Workload, method: str, workers: int) -> tuple[float, float]:
     """Bytes of one worker's message up and of what the master sends one worker down, for ``dpgs-dense``
-    (float32 gradient + float64 buffers up; float32 weights + buffers down) and the relayed
-    ``dpgs-keep{r}`` (payload + float64 buffers up; the P - 1 other payloads and the frame down)."""
+    (float32 gradient + float64 loss sum and buffers up; float32 weights + buffers down) and the relayed
+    ``dpgs-keep{r}`` (payload + float64 loss sum and buffers up; the P - 1 other payloads and the frame
+    down)."""
     if method == "dpgs-dense":
-        return w.dense_bytes + 8 * w.buffer_numel, 4 * (w.numel + w.buffer_numel)
+        return w.dense_bytes + up_tail_bytes(w), 4 * (w.numel + w.buffer_numel)
     c = w.compressed[float(method.removeprefix("dpgs-keep"))]
-    return c.payload_bytes + 8 * w.buffer_numel, (workers - 1) * c.payload_bytes + relay_frame_bytes(w)
+    return c.payload_bytes + up_tail_bytes(w), (workers - 1) * c.payload_bytes + relay_frame_bytes(w)
 
 
 def dpgs_relay(w: Workload, s: Scenario, keep: float) -> Step:
@@ -253,7 +260,7 @@ def dpgs_delta(w: Workload, s: Scenario, keep: float) -> Step:
     """``keep_ratio < 1, downlink=delta`` (DeltaSync): payloads up; the master decodes the P payloads,
     steps, and sends one top-k weight delta (+ buffers) to every worker, which adds it to its weights."""
     c = w.compressed[keep]
-    up = c.payload_bytes + 8 * w.buffer_numel
+    up = c.payload_bytes + up_tail_bytes(w)
     down = DPGS_FRAME_HEADER + 2 * DPGS_FRAME_PART + c.delta_bytes + 4 * w.buffer_numel
     cpu = c.encode_s + s.workers * c.decode_add_s + w.optimizer_s + c.delta_encode_s + c.decode_add_s
     comm = star_phase(up, s) + star_phase(down, s) + dpgs_latency(s, one_piece(up))
@@ -266,7 +273,7 @@ def dpgs_merged(w: Workload, s: Scenario, keep: float) -> Step:
     one payload (the union of their index sets) instead of relaying them; workers decode that one
     payload and step. Exact as the relay is (every replica adds the same float32 sum)."""
     c = w.compressed[keep]
-    up = c.payload_bytes + 8 * w.buffer_numel
+    up = c.payload_bytes + up_tail_bytes(w)
     union = c.union_entries(s.workers)
     down = DPGS_FRAME_HEADER + 2 * DPGS_FRAME_PART + c.merged_bytes(s.workers) + 4 * w.buffer_numel
     decode_merged = c.decode_add_s * union / c.entries

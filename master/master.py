@@ -28,7 +28,7 @@ from dpgs.distributed.link_probe import LinkProbe, probe_as_master
 from dpgs.distributed.messages import ChunkPlan, ChunkResult, EpochCheckpoint, ReplicaState
 from dpgs.distributed.rendezvous import Rendezvous, host_store
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync import StepSync, step_bounds
+from dpgs.distributed.sync import StepSync, UpdateNotSent, step_bounds
 from dpgs.distributed.transport import JOIN_TIMEOUT_S, MASTER_RANK, Channel, ChannelBroken
 from dpgs.heap import freeze_startup_heap
 from dpgs.outputs import save_torch_atomically
@@ -112,17 +112,25 @@ class Master:
                 )
             try:
                 result.steps.append(self.sync.master(self.channel, step, self.replica))
+            except UpdateNotSent as err:
+                result.steps.append(err.taken)  # taken: its bags, loss and bytes count
+                return self._stopped(result, plan, position, err)
             except ChannelBroken as err:
-                # Not stepped: the live workers wait for this step's update. Stepped (sending failed): the
-                # live workers took the step and, unless it was the chunk's last, send their next part.
-                stepped = self.replica.version > step.index
-                more = position + 1 < len(plan.steps)
-                if not stepped or more:
-                    drained = step_bounds(plan.steps[position + 1], self.replica).up if stepped else None
-                    self.channel.abort(drain=stepped, bound=drained)
-                result.interrupted_at = self.replica.version if not stepped or more else None
-                result.reason = str(err)
-                return result
+                return self._stopped(result, plan, position, err)
+        return result
+
+    def _stopped(self, result: ChunkResult, plan: ChunkPlan, position: int, err: ChannelBroken
+                 ) -> ChunkResult:
+        """``result`` of a chunk whose exchange of step ``plan.steps[position]`` broke. Not stepped: the live
+        workers wait for this step's update. Stepped (sending failed): the live workers took the step and,
+        unless it was the chunk's last, send their next part."""
+        stepped = self.replica.version > plan.steps[position].index
+        more = position + 1 < len(plan.steps)
+        if not stepped or more:
+            drained = step_bounds(plan.steps[position + 1], self.replica).up if stepped else None
+            self.channel.abort(drain=stepped, bound=drained)
+        result.interrupted_at = self.replica.version if not stepped or more else None
+        result.reason = str(err)
         return result
 
     def probe_link(self, sizes: tuple[int, int]) -> LinkProbe:

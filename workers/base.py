@@ -51,11 +51,12 @@ from dpgs.workers.reader import BagReader
 
 @dataclass
 class Computed:
-    """This worker's gradient sum of step ``step`` over ``n_bags`` bags (None without bags) and its buffers
-    after the step's forward passes, not yet encoded; with its report."""
+    """This worker's gradient sum of step ``step`` over ``n_bags`` bags (None without bags), the sum of
+    their losses and its buffers after the step's forward passes, not yet encoded; with its report."""
 
     step: int
     n_bags: int
+    loss_sum: float
     grad: torch.Tensor | None
     buffers: torch.Tensor | None
     report: WorkerStep
@@ -280,7 +281,6 @@ class Worker(ABC):
             index=step.index,
             worker=self.worker,
             n_bags=n_bags,
-            losses=losses,
             instances=instances,
             read_wait_seconds=start - wait,
             compute_seconds=computed - start,
@@ -289,17 +289,17 @@ class Worker(ABC):
             apply_seconds=0.0,
             up_bytes=0,
             down_bytes=0,
-            dense_bytes=4 * self.replica.numel + 8 * self.replica.n_buffers,
             halo_bytes=halo,
             group_restarts=restarts,
             peak_device_bytes=peak_bytes(self.device),
         )
-        return Computed(step.index, n_bags, total, self.step_buffers(), report)
+        return Computed(step.index, n_bags, sum(losses), total, self.step_buffers(), report)
 
     def _encode(self, step: StepPlan, computed: Computed) -> Pending:
         """This worker's message up of ``step`` at the step's keep ratio."""
         start = time.perf_counter()
-        part = self.sync.contribute(step, computed.n_bags, computed.grad, computed.buffers, self.replica)
+        part = self.sync.contribute(step, computed.n_bags, computed.loss_sum, computed.grad, computed.buffers,
+                                    self.replica)
         computed.report.encode_seconds = time.perf_counter() - start
         computed.report.up_bytes = part.up_bytes
         return Pending(part, computed.report)

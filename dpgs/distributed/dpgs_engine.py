@@ -8,7 +8,8 @@ micro-batches spread over the workers by length (LPT), the step's learning rate
 that end at checkpoints (``train.checkpoint_every``) and at the epoch's end; the driver blocks only there.
 Where the workers' replicas are exactly the master's model, the epoch's last chunk also has them score the
 fold's validation set (``FoldSetup.validation``) once its steps are done, in the same call.
-Per-step reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`).
+Per-step reports of the master and the workers become the epoch's MLflow metrics (:func:`epoch_metrics`):
+the loss, bags and bytes from the master's, which holds every step it took even when a worker fails.
 Checkpoints (``dpgs.records``) are written in single-split runs (``Config.writes_checkpoints``): a fold of
 a k-fold command writes its weights files alone (``--resume`` keeps a k-fold command's finished folds).
 """
@@ -29,11 +30,12 @@ from dpgs.distributed.failures import MasterFailure, WorkerFailure
 from dpgs.distributed.flat import float_buffers
 from dpgs.distributed.fold import FoldStart
 from dpgs.distributed.link_probe import probe_sizes
-from dpgs.distributed.messages import ChunkPlan, EpochCheckpoint, ShardedScoring, StepPlan
+from dpgs.distributed.messages import ChunkPlan, EpochCheckpoint, MasterStep, ShardedScoring, StepPlan
 from dpgs.distributed.rank_group import ChunkReports, RankGroup
 from dpgs.distributed.schedule import AutoMeasurements, ByteModel, KeepSchedule, step_compute_seconds
 from dpgs.distributed.sharded_eval import evaluate_on_workers, shards_by_length
 from dpgs.distributed.sync import build_sync
+from dpgs.distributed.sync.contract import tail_bytes
 from dpgs.records import CHECKPOINT_FILE, Checkpoint, DriverProgress
 from dpgs.train.engine import EpochEnd, EpochSoFar, FoldSetup, Validation
 from dpgs.train.evaluate import EvalProtocol, Predictions, score_bags
@@ -81,30 +83,28 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def epoch_so_far(reports: ChunkReports, workers: int, before: EpochSoFar) -> EpochSoFar:
-    """``before`` (what the epoch's earlier steps added to its metrics) and the steps of ``reports``: their
-    loss, summed on from ``before``'s in report order, their bags, their steps and their bytes (the dense
-    size counts the master's message down once per worker)."""
-    w, m = reports.workers, reports.master
+def epoch_so_far(steps: list[MasterStep], before: EpochSoFar) -> EpochSoFar:
+    """``before`` (what the epoch's earlier steps added to its metrics) and the master's reports ``steps``
+    (in step order): their loss, summed on from ``before``'s, their bags, their count and their bytes."""
     return EpochSoFar(
-        sum((sum(r.losses) for r in w), start=before.loss_sum),
-        before.bags + sum(r.n_bags for r in w),
-        before.steps + len(m),
-        before.up_bytes + sum(r.up_bytes for r in w),
-        before.down_bytes + sum(r.down_bytes for r in w),
-        before.dense_bytes + sum(r.dense_bytes for r in w) + sum(s.down_dense_bytes for s in m) * workers,
+        sum((s.loss_sum for s in steps), start=before.loss_sum),
+        before.bags + sum(s.n_bags for s in steps),
+        before.steps + len(steps),
+        before.up_bytes + sum(s.up_bytes for s in steps),
+        before.down_bytes + sum(s.down_bytes for s in steps),
+        before.dense_bytes + sum(s.dense_bytes for s in steps),
     )
 
 
-def epoch_metrics(reports: ChunkReports, workers: int, totals: EpochSoFar | None = None) -> dict[str, float]:
+def epoch_metrics(reports: ChunkReports, totals: EpochSoFar | None = None) -> dict[str, float]:
     """The epoch's DPGS metrics from the ranks' per-step reports (names: docs/architecture.md); the loss,
     step and byte counts are ``totals``, the epoch's (its steps before a resume included; None: those of
-    ``reports``, :func:`epoch_so_far`).
+    ``reports``' master steps, :func:`epoch_so_far`).
 
     Per step: compute = the slowest worker's forward/backward, overhead = step time - compute; phases are
     the slowest worker's (or the master's) seconds, averaged over steps (those after a resume).
     """
-    epoch = totals if totals is not None else epoch_so_far(reports, workers, EpochSoFar())
+    epoch = totals if totals is not None else epoch_so_far(reports.master, EpochSoFar())
     by_step: dict[int, list] = defaultdict(list)
     for report in reports.workers:
         by_step[report.index].append(report)
@@ -247,7 +247,7 @@ class DpgsEngine:
         self.group.ask_state(weights=not self.replicas_exact, sync_states=self.checkpoint_path is not None)
         if self.keep.auto:
             self._measured(reports, todo)
-        metrics = epoch_metrics(reports, len(self.group.workers), totals)
+        metrics = epoch_metrics(reports, totals)
         metrics["train_seconds"] = time.perf_counter() - start
         metrics["worker_restarts"] = float(self.restarts)
         metrics["second_moment_frozen"] = float(self.keep.frozen_since is not None)  # Adam's v, this epoch
@@ -257,19 +257,22 @@ class DpgsEngine:
                    reports: ChunkReports, totals: EpochSoFar) -> EpochSoFar:
         """Run ``chunk`` (steps of ``plans``) on the group, adding its reports; checkpoint after it. Returns
         ``totals`` (what the epoch's steps before the chunk added to its metrics) with the chunk's steps
-        added: each chunk's reports are summed once, in the epoch's order."""
+        added: each chunk's reports are summed once, in the epoch's order. When workers fail past the
+        restart limit, the checkpoint holds the steps the master took of the chunk, with their metrics."""
         following = plans[chunk[-1].step_in_epoch + 1] if chunk[-1].step_in_epoch + 1 < len(plans) else None
         score = None
         if following is None and self.validation is not None:  # the epoch's last chunk
             validation, workers = self.validation, len(self.group.workers)
             shards = shards_by_length(list(validation.indices), self.eval_lengths, workers)
             score = ShardedScoring(tuple(tuple(s) for s in shards), validation.protocol)
+        done = ChunkReports()
         try:
-            done = self.group.run(ChunkPlan(tuple(chunk), following, score))
+            self.group.run(ChunkPlan(tuple(chunk), following, score), done)
         except WorkerFailure as err:
             if self.checkpoint_path is None:
                 raise WorkerFailure(f"{err}; {kfold_resume_hint(self.out_dir)}") from err
-            # the failed chunk's reports are lost: the steps it took count in the weights, not the metrics
+            # the master reported every step it took (its version): their loss and bytes resume with them
+            totals = epoch_so_far(done.master, totals)
             path = self.checkpoint(epoch, self.group.version() - plans[0].index, history, totals)
             raise WorkerFailure(f"{err}; checkpoint written to {path} (resume with --resume)") from err
         except MasterFailure as err:
@@ -284,7 +287,7 @@ class DpgsEngine:
         reports.master += done.master
         reports.workers += done.workers
         reports.scored.update(done.scored)
-        totals = epoch_so_far(done, len(self.group.workers), totals)
+        totals = epoch_so_far(done.master, totals)
         self.global_step = chunk[-1].index + 1
         step_in_epoch = chunk[-1].step_in_epoch + 1
         if self.hooks.after_chunk is not None:
@@ -351,7 +354,8 @@ class DpgsEngine:
         # the rehearsed step's time on the master holds no compute: its exchange would look free
         self.keep.costs.observe({i: k for i, k in keep.items() if i != self.rehearsed_step} or keep,
                                 reports.workers, reports.master)
-        sparse = [(keep[r.index], r.up_bytes - 8 * self.measured.bytes.buffers) for r in reports.workers
+        tail = tail_bytes(self.measured.bytes.buffers)
+        sparse = [(keep[r.index], r.up_bytes - tail) for r in reports.workers
                   if r.n_bags and keep.get(r.index, 1.0) < 1.0]
         if sparse:
             ratio = min(k for k, _ in sparse)

@@ -100,12 +100,13 @@ class ReplicaState:
 
 @dataclass
 class WorkerStep:
-    """What worker ``worker`` did in step ``index`` (seconds are wall time in the worker)."""
+    """What worker ``worker`` did in step ``index`` (seconds are wall time in the worker). The step's loss,
+    bags and bytes in all are the master's report (:class:`MasterStep`), which a worker's failure does not
+    lose; the bytes here are this worker's."""
 
     index: int
     worker: int
     n_bags: int
-    losses: list[float]
     instances: int
     read_wait_seconds: float  # waiting for bags that the read-ahead had not finished
     compute_seconds: float  # forward + backward
@@ -114,7 +115,6 @@ class WorkerStep:
     apply_seconds: float  # decoding the update, optimizer step or delta, loading weights
     up_bytes: int
     down_bytes: int
-    dense_bytes: int  # the same message up uncompressed: 4 bytes per gradient value, 8 per buffer value
     halo_bytes: int = 0  # sample-parallel groups: traffic among the group's ranks
     group_restarts: int = 0
     peak_device_bytes: int = 0  # the most CUDA memory allocated during the step's compute (0 on CPU)
@@ -126,13 +126,15 @@ class MasterStep:
 
     index: int
     n_bags: int
+    loss_sum: float  # the step's bags' losses (each worker sends its sum with its gradient)
     grad_norm: float
     wait_seconds: float  # waiting for the workers' gradients
     decode_seconds: float
     optimizer_seconds: float
     encode_seconds: float  # downlink frame (and weight delta) encoding
-    down_bytes: int  # bytes down to the worker that receives the most: the frame and what was relayed to it
-    down_dense_bytes: int
+    up_bytes: int  # every worker's message up
+    down_bytes: int  # to every worker: the frame, and the other workers' payloads where they were relayed
+    dense_bytes: int  # the same messages, up and down, were they dense (``sync.contract.dense_step_bytes``)
     step_seconds: float  # wall time since the previous step ended (or the chunk started)
 
 

@@ -278,10 +278,11 @@ class RankGroup:
         return self._get(self.workers.call("rehearse", step, following, ratios))
 
     # ---------------------------------------------------------------- running steps
-    def run(self, plan: ChunkPlan) -> ChunkReports:
-        """Run ``plan`` on the group, recovering from worker failures (module docstring)."""
+    def run(self, plan: ChunkPlan, reports: ChunkReports) -> None:
+        """Run ``plan`` on the group, recovering from worker failures (module docstring); the ranks'
+        reports go to ``reports`` as each attempt ends, so that what completed before a failure stays there
+        (the master's reports then hold every step it took)."""
         self.asked = None
-        reports = ChunkReports()
         attempts = 0
         while plan.steps:
             results, dead, errors = self._run_once(plan)
@@ -297,7 +298,7 @@ class RankGroup:
                 raise RunFailure(f"the {who} failed: {err.cause if err.cause is not None else err}") from None
             stopped = [r for r in results.values() if r.interrupted_at is not None]
             if not dead and not stopped:
-                return reports
+                return
             attempts += 1
             if not dead and attempts > self.cfg.max_worker_restarts + 1:
                 reasons = "; ".join(sorted({r.reason for r in stopped}))
@@ -306,7 +307,6 @@ class RankGroup:
                     f"{attempts} attempts: {reasons}"
                 )
             plan = plan.from_index(self._recover(dead))
-        return reports
 
     def _run_once(self, plan: ChunkPlan) -> tuple[dict[int, ChunkResult], set[int], dict]:
         """Submit ``plan`` to every rank; collect (results by rank, dead ranks, ranks that raised)."""

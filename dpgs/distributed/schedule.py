@@ -55,6 +55,7 @@ from dpgs.compression.dtypes import VALUE_DTYPES
 from dpgs.config.schema import CompressionConfig
 from dpgs.distributed.link_probe import LinkProbe, LinkWatch
 from dpgs.distributed.messages import MasterStep, WorkerStep
+from dpgs.distributed.sync.contract import tail_bytes
 
 HEADER_BYTES = 64  # a payload's header and the frame's share, rounded up
 INDEX_BYTES = 1.0  # bytes per sent entry for its index after zstd (gaps of top-k at <= 10 %; measured ~0.7)
@@ -98,7 +99,7 @@ class ByteModel:
 
     def per_worker(self, keep: float) -> tuple[float, float]:
         """(up, down) bytes of one worker in a step at ``keep``."""
-        up = self.payload(keep) + 8 * self.buffers
+        up = self.payload(keep) + tail_bytes(self.buffers)
         dense = 4.0 * self.numel
         down = (min((self.workers - 1) * self.payload(keep), dense) if self.relay else self.payload(keep))
         return up, down + 4 * self.buffers + HEADER_BYTES

@@ -8,10 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from dpgs.distributed.frames import HEADER, frame_bytes
+from dpgs.distributed.sync.contract import tail_bytes
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from scaling_lab import link_delay, link_rate  # noqa: E402
 from scaling_model import (  # noqa: E402
+    DPGS_FRAME_HEADER,
+    DPGS_FRAME_PART,
+    DPGS_LOSS_SUM,
     Compressed,
     Link,
     PowerSgd,
@@ -57,37 +63,37 @@ def test_dense_star_step_by_hand():
 
 
 def test_relay_step_by_hand():
-    # Up: 10 kB per worker (4 x 10 kB = 0.32 ms on the master's link). Down, forwarded as it arrives: the
-    # three other payloads, 30 kB to each of 4 workers (0.96 ms); one piece (the payload is one), so the
-    # forward starts once the upload is in: 0.32 + 0.96 ms. Then the frame of 25 + 8 bytes to each of 4
-    # workers (1.056 us). Each message is one piece: 2 latencies. CPU: encode 0.004, every worker decodes 4
-    # payloads (0.008) and steps Adam (0.05).
+    # Up: 10 kB and the 8-byte loss sum per worker (4 x 10 kB = 0.32 ms on the master's link, the sums
+    # 0.26 us). Down, forwarded as it arrives: the three other payloads, 30 kB to each of 4 workers
+    # (0.96 ms); one piece (the payload is one), so the forward starts once the upload is in. Then the
+    # frame of 32 + 8 bytes to each of 4 workers (1.28 us). Each message is one piece: 2 latencies. CPU:
+    # encode 0.004, every worker decodes 4 payloads (0.008) and steps Adam (0.05).
     step = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS))
     assert step.cpu == pytest.approx(0.062)
-    assert step.comm == pytest.approx(3.2e-4 + 9.6e-4 + 1.056e-6 + 0.002)
+    assert step.comm == pytest.approx(3.2e-4 + 2.56e-7 + 9.6e-4 + 1.28e-6 + 0.002)
     assert step.total == pytest.approx(2.062 + step.comm)
-    assert step.master_bytes == pytest.approx(4 * (10_000 + 30_000 + 33))
+    assert step.master_bytes == pytest.approx(4 * (10_008 + 30_000 + 40))
     clipped = predict(workload(), "dpgs-keep0.01", Scenario(4, 8, GBPS, clipping=True))
     assert clipped.total - step.total == pytest.approx(0.008)  # the master decodes before its frame
     # 10 MB payloads at P = 2 (77 pieces of 128 KiB): up and down at once, plus one piece; 6 latencies
     big = workload(compressed={0.01: replace(workload().compressed[0.01], payload_bytes=10e6)})
     two = predict(big, "dpgs-keep0.01", Scenario(2, 4, GBPS))
-    assert two.comm == pytest.approx(8 * 2 * (10e6 + (128 << 10)) / 1e9 + 8 * 2 * 33 / 1e9 + 0.006)
+    assert two.comm == pytest.approx(8 * 2 * (10e6 + 8 + (128 << 10)) / 1e9 + 8 * 2 * 40 / 1e9 + 0.006)
     # one queue for both directions (the loopback checks' namespace): up, then down
     shared = predict(big, "dpgs-keep0.01", Scenario(2, 4, GBPS, full_duplex=False))
-    assert shared.comm == pytest.approx(8 * 2 * 2 * 10e6 / 1e9 + 8 * 2 * 33 / 1e9 + 0.006)
+    assert shared.comm == pytest.approx(8 * 2 * (2 * 10e6 + 8) / 1e9 + 8 * 2 * 40 / 1e9 + 0.006)
 
 
 def test_merged_and_delta_by_hand():
-    # Union of 4 top-k sets: 10 000 x 4 ** 0.5 = 20 000 entries -> 1 000 + 20 000 bytes + 41 of frame.
+    # Union of 4 top-k sets: 10 000 x 4 ** 0.5 = 20 000 entries -> 1 000 + 20 000 bytes + 48 of frame.
     merged = predict(workload(), "dpgs-keep0.01-merged", Scenario(4, 8, GBPS))
-    down = 25 + 16 + 21_000
-    assert merged.comm == pytest.approx(8 * 4 * 10_000 / 1e9 + 8 * 4 * down / 1e9 + 0.002)
+    down = 32 + 16 + 21_000
+    assert merged.comm == pytest.approx(8 * 4 * 10_008 / 1e9 + 8 * 4 * down / 1e9 + 0.002)
     # encode 0.004 + master decodes 4 x 0.002 + merge encode 20 000 x 1e-7 + worker decodes 2 payloads'
     # worth (0.004) + Adam 0.05
     assert merged.cpu == pytest.approx(0.004 + 0.008 + 0.002 + 0.004 + 0.05)
     delta = predict(workload(), "dpgs-keep0.01-delta", Scenario(4, 8, GBPS))
-    assert delta.comm == pytest.approx(8 * 4 * 10_000 / 1e9 + 8 * 4 * (25 + 16 + 12_000) / 1e9 + 0.002)
+    assert delta.comm == pytest.approx(8 * 4 * 10_008 / 1e9 + 8 * 4 * (32 + 16 + 12_000) / 1e9 + 0.002)
     assert delta.cpu == pytest.approx(0.004 + 0.008 + 0.05 + 0.006 + 0.002)
 
 
@@ -213,3 +219,10 @@ def test_a_loopback_row_with_its_compute_adds_the_runtime_loop_cost(tmp_path):
     assert f"| {1.5 + 0.12 + comm + loop:.3f} |" in lines[1] and "lab compute + model + loop" in lines[1]
     # a loopback row: its own compute and the model (the loop's cost is what it measures)
     assert "| lab compute + model |" in lines[0]
+
+
+def test_the_models_message_sizes_are_dpgs_own():
+    """The constants the model prices dpgs's messages with are those of the code that builds them."""
+    assert DPGS_FRAME_HEADER == HEADER.size
+    assert frame_bytes([0]) == DPGS_FRAME_HEADER + DPGS_FRAME_PART
+    assert tail_bytes(7) == DPGS_LOSS_SUM + 8 * 7

@@ -54,14 +54,19 @@ def start(config, data):
     return spec, spec.build()
 
 
-def local_params(config, data, batches, epochs=1, device="cpu"):
-    """The single-process packed run's parameters (on ``device``), as CPU tensors."""
+def local_run(config, data, batches, epochs=1, device="cpu"):
+    """The single-process packed run's parameters (on ``device``), as CPU tensors, and its last epoch's
+    metrics."""
     packed = config.model_copy(update={"train": config.train.model_copy(update={"mode": "packed"})})
     _, model = start(packed, data)
     engine = LocalEngine(model, packed.train, torch.device(device), None, config.seed, data.dataset, 0)
-    for epoch in range(1, epochs + 1):
-        engine.run_epoch(batches, epoch)
-    return {k: v.detach().cpu().clone() for k, v in engine.state_dict().items()}
+    stats = [engine.run_epoch(batches, epoch) for epoch in range(1, epochs + 1)]
+    return {k: v.detach().cpu().clone() for k, v in engine.state_dict().items()}, stats[-1]
+
+
+def local_params(config, data, batches, epochs=1, device="cpu"):
+    """The single-process packed run's parameters (on ``device``), as CPU tensors."""
+    return local_run(config, data, batches, epochs, device)[0]
 
 
 def dpgs_run(config, data, batches, epochs=1, after_submit=None, after_chunk=None):
@@ -81,6 +86,23 @@ def dpgs_run(config, data, batches, epochs=1, after_submit=None, after_chunk=Non
         return {k: v.clone() for k, v in engine.state_dict().items()}, stats, workers, master
 
 
+def die_at_step(index: int):
+    """For ``worker.__ray_call__``: the worker SIGKILLs itself as it is about to run step ``index``, after
+    the steps before it in the same chunk (their reports die with it); its restarted process runs it."""
+
+    def install(worker):
+        run = worker._step
+
+        def step(plan, following):
+            if plan.index == index:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return run(plan, following)
+
+        worker._step = step
+
+    return install
+
+
 def assert_close(a: dict, b: dict, rtol: float):
     assert a.keys() == b.keys()
     for key in a:
@@ -97,23 +119,26 @@ def test_one_dense_step_equals_packed_mode(ray_cluster, bags, tmp_path, workers,
     SGD, because Adam's first step is lr * sign(g): entries whose gradient is ~0 flip with float32
     summation order, which says nothing about the stacking. Dense mode sends raw float32: exactly 4 bytes
     per parameter each way, plus the frame's header and two part sizes down. With ``train.grad_clip`` every
-    rank clips the mean gradient as the single-process engine does.
+    rank clips the mean gradient as the single-process engine does. Up, each worker also sends the sum of its
+    bags' losses (8 bytes): the epoch's ``train_loss`` is the packed step's.
     """
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", f"dpgs.workers={workers}",
                          f"dpgs.transport={transport}", f"train.grad_clip={clip or 'null'}", *EXACT, *DENSE)
     data = experiment_data(config)
     batch = [[0, 1, 2, 3, 4, 5, 6]]
     before = start(config, data)[1].state_dict()
-    reference = local_params(config, data, batch)
+    reference, packed = local_run(config, data, batch)
+    packed_loss = packed["train_loss"]
     stacked, stats, replicas, master = dpgs_run(config, data, batch)
     assert_close(stacked, reference, 1e-5)
     assert any((reference[k] - before[k]).abs().max() > 1e-4 for k in reference), "the step changed nothing"
     numel = master.params.numel()
     epoch = stats[0]
-    assert epoch["comm_bytes_up"] == 4 * numel * workers
+    assert epoch["comm_bytes_up"] == (4 * numel + 8) * workers
     assert epoch["comm_bytes_down"] == (4 * numel + FRAME_HEADER.size + 2 * 8) * workers
     sent = epoch["comm_bytes_up"] + epoch["comm_bytes_down"]
-    assert epoch["compression_ratio"] == 8 * numel * workers / sent
+    assert epoch["compression_ratio"] == (8 * numel + 8) * workers / sent
+    assert epoch["train_loss"] == pytest.approx(packed_loss, rel=1e-6)
     assert all(torch.equal(r.params, master.params) and r.version == 1 for r in replicas)
 
 
@@ -188,6 +213,26 @@ def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, t
     assert stats[0]["optimizer_steps"] == 3.0
     assert_close(faulty, clean, 1e-6)
     assert all(torch.equal(r.params, master.params) for r in replicas)
+
+
+def test_a_worker_dying_mid_chunk_loses_nothing_of_the_epochs_metrics(ray_cluster, bags, tmp_path):
+    """Worker 0 dies after it completed the chunk's first step, whose report dies with it: the epoch's loss,
+    steps and bytes are still the clean run's (the master's reports hold them), and so are the weights."""
+    config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
+                         "dpgs.call_timeout_s=60", *EXACT, *DENSE)
+    data = experiment_data(config)
+    batches = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    clean, (expected,), *_ = dpgs_run(config, data, batches)
+    spec, model = start(config, data)
+    with dpgs_engine(config, spec, model, data.dataset, data.splits[0].train) as engine:
+        ray.get(engine.group.workers.handles[0].__ray_call__.remote(die_at_step(1)))
+        stats = engine.run_epoch(batches, 1, [])
+        faulty = {k: v.clone() for k, v in engine.state_dict().items()}
+    assert stats["worker_restarts"] == 1.0
+    assert_close(faulty, clean, 1e-6)
+    for key in ("optimizer_steps", "comm_bytes_up", "comm_bytes_down", "comm_dense_bytes"):
+        assert stats[key] == expected[key], key
+    assert stats["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-9)
 
 
 def test_restarted_worker_starts_with_an_empty_residual(ray_cluster, bags, tmp_path):
@@ -342,6 +387,40 @@ def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tm
     assert checkpoint["driver"]["step_in_epoch"] == 0 and checkpoint["master"]["step"] == 0
 
 
+def test_a_run_stopped_by_a_dying_worker_resumes_with_the_steps_it_took_in_its_metrics(ray_cluster, bags,
+                                                                                      tmp_path, monkeypatch):
+    """Worker 0 dies at the epoch's third step and no restart is allowed: the checkpoint continues at that
+    step with what the two steps the master took added to the epoch's metrics, so the resumed run logs the
+    uninterrupted run's loss, steps and bytes, and ends with its weights."""
+    common = ["train.mode=dpgs", "dpgs.workers=2", "train.epochs=1", "train.batch_size=4",
+              "dpgs.max_worker_restarts=0", "dpgs.call_timeout_s=60", *EXACT, *DENSE]
+    run_training(make_config(*bags, tmp_path / "full", *common))
+    cut = make_config(*bags, tmp_path / "cut", *common)
+    import dpgs.distributed.dpgs_engine as engine_module
+
+    original = engine_module.DpgsEngine.__init__
+
+    def init_with_a_dying_worker(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        ray.get(self.group.workers.handles[0].__ray_call__.remote(die_at_step(2)))
+
+    monkeypatch.setattr(engine_module.DpgsEngine, "__init__", init_with_a_dying_worker)
+    with pytest.raises(WorkerFailure, match="worker 0 failed 1 times.*checkpoint written"):
+        run_training(cut)
+    monkeypatch.undo()
+    checkpoint = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=True)
+    assert checkpoint["driver"]["step_in_epoch"] == 2 and checkpoint["master"]["step"] == 2
+    run_training(cut.model_copy(update={"dpgs": cut.dpgs.model_copy(
+        update={"resume": tmp_path / "cut" / CHECKPOINT_FILE})}))
+    assert_close(torch.load(tmp_path / "cut" / "last.pt", weights_only=True),
+                 torch.load(tmp_path / "full" / "last.pt", weights_only=True), 1e-6)
+    (cut_row,), (full_row,) = (list(csv.DictReader((tmp_path / name / "metrics.csv").open()))
+                               for name in ("cut", "full"))
+    for key in ("optimizer_steps", "comm_bytes_up", "comm_bytes_down", "comm_dense_bytes"):
+        assert cut_row[key] == full_row[key], key
+    assert float(cut_row["train_loss"]) == pytest.approx(float(full_row["train_loss"]), rel=1e-9)
+
+
 def test_workers_dying_past_the_limit_in_a_kfold_command_say_how_to_resume_it(ray_cluster, bags, tmp_path):
     """A fold of a k-fold command writes no checkpoint (``--resume`` continues the command fold by fold): a
     failure past the restart limit writes none either, and names the directory to resume and the fold."""
@@ -474,9 +553,9 @@ def test_kfold_reuses_the_actors_and_each_fold_starts_afresh(ray_cluster, bags, 
     pids = []
     original = RankGroup.run
 
-    def run_and_record(self, plan):
+    def run_and_record(self, plan, reports):
         pids.append(tuple(ray.get(self.workers.call("ping"))))
-        return original(self, plan)
+        original(self, plan, reports)
 
     monkeypatch.setattr(RankGroup, "run", run_and_record)
     result = run_training(make_config(*bags, tmp_path / "kfold", *overrides))

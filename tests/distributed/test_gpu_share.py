@@ -28,21 +28,21 @@ def test_the_error_of_a_worker_beyond_its_share_names_the_share_and_the_keys():
 
 
 def _worker_step(index: int, worker: int, peak: int) -> WorkerStep:
-    return WorkerStep(index=index, worker=worker, n_bags=1, losses=[0.5], instances=10, read_wait_seconds=0.0,
+    return WorkerStep(index=index, worker=worker, n_bags=1, instances=10, read_wait_seconds=0.0,
                       compute_seconds=0.1, encode_seconds=0.0, exchange_seconds=0.0, apply_seconds=0.0,
-                      up_bytes=100, down_bytes=100, dense_bytes=400, peak_device_bytes=peak)
+                      up_bytes=100, down_bytes=100, peak_device_bytes=peak)
 
 
 def _master_step(index: int) -> MasterStep:
-    return MasterStep(index=index, n_bags=2, grad_norm=1.0, wait_seconds=0.0, decode_seconds=0.0,
-                      optimizer_seconds=0.0, encode_seconds=0.0, down_bytes=100, down_dense_bytes=400,
-                      step_seconds=0.2)
+    return MasterStep(index=index, n_bags=2, loss_sum=1.0, grad_norm=1.0, wait_seconds=0.0,
+                      decode_seconds=0.0, optimizer_seconds=0.0, encode_seconds=0.0, up_bytes=200,
+                      down_bytes=200, dense_bytes=800, step_seconds=0.2)
 
 
 def test_epoch_metrics_report_the_largest_worker_peak_only_where_measured():
     gpu = ChunkReports(master=[_master_step(0), _master_step(1)],
                        workers=[_worker_step(0, 0, 3 << 20), _worker_step(0, 1, 5 << 20),
                                 _worker_step(1, 0, 4 << 20), _worker_step(1, 1, 2 << 20)])
-    assert epoch_metrics(gpu, 2)["worker_peak_device_mib"] == 5.0
+    assert epoch_metrics(gpu)["worker_peak_device_mib"] == 5.0
     cpu = ChunkReports(master=[_master_step(0)], workers=[_worker_step(0, 0, 0), _worker_step(0, 1, 0)])
-    assert "worker_peak_device_mib" not in epoch_metrics(cpu, 2)
+    assert "worker_peak_device_mib" not in epoch_metrics(cpu)

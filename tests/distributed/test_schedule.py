@@ -61,10 +61,11 @@ def test_the_slowest_worker_sets_the_exchange():
 
 def test_bytes_per_worker_at_each_keep_ratio():
     bytes_ = model(1_000_000, workers=4, value_dtype="fp16", dense_min_numel=0)
-    assert bytes_.per_worker(1.0) == (4e6, 4e6 + HEADER_BYTES)  # raw up, the dense sum down
+    assert bytes_.per_worker(1.0) == (4e6 + 8, 4e6 + HEADER_BYTES)  # raw and the loss up, the dense sum down
     up, down = bytes_.per_worker(0.01)
-    assert up == HEADER_BYTES + 3.0 * 10_000  # fp16 value + 1 byte of index per sent entry
-    assert down == 3 * up + HEADER_BYTES  # the three other workers' payloads relayed
+    payload = HEADER_BYTES + 3.0 * 10_000  # fp16 value + 1 byte of index per sent entry
+    assert bytes_.payload(0.01) == payload and up == payload + 8  # and the float64 loss sum
+    assert down == 3 * payload + HEADER_BYTES  # the three other workers' payloads relayed
     assert bytes_.per_worker(0.5)[1] == 4e6 + HEADER_BYTES  # three payloads would be larger: the dense sum
     delta = model(1_000_000, workers=4, downlink="delta", dense_min_numel=0)
     assert delta.per_worker(0.01)[1] == delta.payload(0.01) + HEADER_BYTES  # one delta down
@@ -206,18 +207,18 @@ def test_measured_only_at_the_warm_up_ratio_auto_neither_explores_nor_stays_dens
 
 def test_compute_is_the_median_of_the_slowest_worker_per_step():
     def report(index, worker, seconds):
-        return WorkerStep(index, worker, 1, [0.0], 1, 0.0, seconds, 0.0, 0.0, 0.0, 0, 0, 0)
+        return WorkerStep(index, worker, 1, 1, 0.0, seconds, 0.0, 0.0, 0.0, 0, 0)
 
     reports = [report(0, 0, 1.0), report(0, 1, 3.0), report(1, 0, 2.0), report(1, 1, 1.0), report(2, 0, 9.0)]
     assert step_compute_seconds(reports) == 3.0  # per step 3, 2, 9
 
 
 def worker_step(index, worker, encode, apply, compute=0.5):
-    return WorkerStep(index, worker, 1, [0.0], 1, 0.0, compute, encode, 0.0, apply, 0, 0, 0)
+    return WorkerStep(index, worker, 1, 1, 0.0, compute, encode, 0.0, apply, 0, 0)
 
 
 def master_step(index, decode, encode, step_seconds=0.6):
-    return MasterStep(index, 2, 1.0, 0.0, decode, 0.0, encode, 0, 0, step_seconds)
+    return MasterStep(index, 2, 0.0, 1.0, 0.0, decode, 0.0, encode, 0, 0, 0, step_seconds)
 
 
 def test_step_costs_per_keep_ratio_from_the_steps():

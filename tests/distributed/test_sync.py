@@ -33,9 +33,14 @@ def gradients(step: int, worker: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * step + worker))
 
 
-def run(config, model, keeps: list[float], workers: int = 2):
-    """Steps at the keep ratios ``keeps``: worker w contributes ``gradients(step, w)`` for 2 bags and the
-    buffers ``w + step``. Returns (master replica, worker replicas, wire)."""
+def loss_sum(step: int, worker: int) -> float:
+    return 0.1 + step + worker / 3  # not exact in binary: the master's sum is checked to the bit
+
+
+def run(config, model, keeps: list[float], workers: int = 2, reports: list | None = None):
+    """Steps at the keep ratios ``keeps``: worker w contributes ``gradients(step, w)`` for 2 bags whose
+    losses sum to ``loss_sum(step, w)``, and the buffers ``w + step``. Returns (master replica, worker
+    replicas, wire); the master's reports go to ``reports``."""
     sync = build_sync(config, model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -59,8 +64,8 @@ def run(config, model, keeps: list[float], workers: int = 2):
         try:
             for plan in plans:
                 grad = gradients(plan.index, w, rep.numel)
-                part = rank_sync.contribute(plan, 2, grad, torch.full((rep.n_buffers,), float(w + plan.index),
-                                                                      dtype=torch.float64), rep)
+                buffers = torch.full((rep.n_buffers,), float(w + plan.index), dtype=torch.float64)
+                part = rank_sync.contribute(plan, 2, loss_sum(plan.index, w), grad, buffers, rep)
                 rank_sync.worker(wire.worker(w), plan, part, rep)
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
@@ -69,7 +74,9 @@ def run(config, model, keeps: list[float], workers: int = 2):
     for t in threads:
         t.start()
     for plan in plans:
-        master_sync.master(wire.master(), plan, master)
+        report = master_sync.master(wire.master(), plan, master)
+        if reports is not None:
+            reports.append(report)
     for t in threads:
         t.join()
     assert not errors, errors
@@ -117,14 +124,15 @@ def test_dense_steps_equal_the_single_process_steps(downlink):
     expected = dense_reference(config, model, 3)
     assert torch.equal(master.flat_params(), expected)
     numel, buffers = master.numel, master.n_buffers
-    assert wire.bytes_up == 3 * 2 * (4 * numel + 8 * buffers)  # raw float32 gradient, float64 buffers
+    assert wire.bytes_up == 3 * 2 * (4 * numel + 8 + 8 * buffers)  # float32 gradient, float64 loss, buffers
     for r in replicas:  # exactly the master's weights and (merged) buffers, in either scheme
         assert torch.equal(r.flat_params(), expected) and r.version == 3
         assert torch.equal(r.flat_buffers(), master.flat_buffers())
     # merged buffers: the bag-weighted mean of the workers' (w + step): (0 + 1) / 2 + 2 at the last step
     assert torch.equal(master.flat_buffers(), torch.full((buffers,), 2.5, dtype=torch.float64))
     # every message was bounded, and its bound is its size (every worker had bags): 2 up, 2 down a step
-    up, down = 4 * numel + 8 * buffers, FRAME_HEADER.size + 2 * 8 + 4 * numel + 4 * buffers  # 2 part sizes
+    up = 4 * numel + 8 + 8 * buffers
+    down = FRAME_HEADER.size + 2 * 8 + 4 * numel + 4 * buffers  # 2 part sizes
     assert sorted(wire.bounded) == sorted(6 * [("up", up, up)] + 6 * [("down", down, down)])
 
 
@@ -146,11 +154,38 @@ def test_each_worker_is_relayed_only_the_other_workers_payloads():
     config, model = model_and_config("dpgs.compression.downlink=gradients", "dpgs.workers=3")
     master, replicas, wire = run(config, model, [0.05, 0.01, 0.05], workers=3)
     buffers = master.n_buffers
-    payloads = wire.bytes_up - 3 * 3 * 8 * buffers  # 3 steps x 3 workers, float64 buffers up
+    payloads = wire.bytes_up - 3 * 3 * 8 * (1 + buffers)  # 3 steps x 3 workers, float64 loss and buffers up
     frames = 3 * 3 * (FRAME_HEADER.size + 8 + 4 * buffers)  # the buffers part alone
     assert wire.bytes_down == 2 * payloads + frames
     for r in replicas:
         assert torch.equal(r.flat_params(), master.flat_params()) and r.version == 3
+
+
+@pytest.mark.parametrize("downlink,keeps,workers", [
+    ("gradients", [1.0, 0.05, 0.01], 3),  # dense, relayed payloads
+    ("gradients", [0.9, 0.9], 2),  # compressed, but the dense sum is smaller than the payloads: not relayed
+    ("delta", [1.0, 0.05], 2),
+])
+def test_the_masters_reports_hold_each_steps_loss_bags_and_bytes(downlink, keeps, workers):
+    """The master's report of a step (what the epoch's metrics are made of, also when a worker failed) has
+    the step's bags, the sum of their losses (each worker's sum, added in worker order), the bytes every
+    worker sent up and was sent down, relayed payloads included, as the wire counted them, and the dense
+    size of those messages."""
+    config, model = model_and_config(f"dpgs.compression.downlink={downlink}", f"dpgs.workers={workers}")
+    reports = []
+    master, _, wire = run(config, model, keeps, workers, reports)
+    assert [r.index for r in reports] == list(range(len(keeps)))
+    assert {r.n_bags for r in reports} == {2 * workers}
+    for r in reports:
+        expected = 0.0
+        for w in range(workers):
+            expected += loss_sum(r.index, w)
+        assert r.loss_sum == expected
+    assert sum(r.up_bytes for r in reports) == wire.bytes_up
+    assert sum(r.down_bytes for r in reports) == wire.bytes_down
+    numel, buffers = master.numel, master.n_buffers
+    dense = workers * (4 * numel + 8 + 8 * buffers + 4 * numel + 4 * buffers)
+    assert {r.dense_bytes for r in reports} == {dense}
 
 
 def test_keep_ratio_changes_mid_run_lose_nothing_with_sgd():
@@ -181,8 +216,8 @@ def test_a_shipped_copy_decodes_what_another_copy_encoded():
     numel = sum(p.numel() for p in model.parameters())
     replica = Replica(model, config.train)
     replica.restart(model.state_dict(), with_optimizer=True)
-    part = a.contribute(plan, 1, torch.randn(numel), None, replica)
-    total = b.uplink.sum_into(torch.zeros(numel), [part.body], [1], 0.1)
+    part = a.contribute(plan, 1, 0.5, torch.randn(numel), None, replica)
+    total = b.uplink.sum_into(torch.zeros(numel), [part.body[: part.payload_bytes]], [1], 0.1)
     assert torch.count_nonzero(total) == round(0.1 * numel)
 
 

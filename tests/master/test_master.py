@@ -63,7 +63,7 @@ def master_and_bodies(keep: float):
     bodies = []
     for w in range(2):
         grad = torch.randn(n, generator=torch.Generator().manual_seed(w))
-        bodies.append(build_sync(config, model).contribute(steps[0], 1, grad, None, master.replica).body)
+        bodies.append(build_sync(config, model).contribute(steps[0], 1, 0.5, grad, None, master.replica).body)
     return master, bodies, ChunkPlan(steps)
 
 
@@ -87,8 +87,10 @@ def test_failure_while_sending_the_update_keeps_the_step_and_drains_the_next_mes
     assert master.version() == 1 and result.interrupted_at == 1
     assert not torch.equal(master.replica.flat_params(), before)
     assert master.channel.calls == ["gather_up", "send_down", "abort(drain=True)"]
-    # the drained messages are the next step's: a dense one's are bounded (raw float32, no buffers here)
-    assert master.channel.drain_bound == (4 * master.replica.numel if keep == 1.0 else None)
+    # the step taken is reported: its bags and the workers' loss sums (0.5 each) count in the metrics
+    assert [(s.index, s.n_bags, s.loss_sum) for s in result.steps] == [(0, 2, 1.0)]
+    # the drained messages are the next step's: a dense one's are bounded (raw float32, the loss sum)
+    assert master.channel.drain_bound == (4 * master.replica.numel + 8 if keep == 1.0 else None)
 
 
 def test_failure_while_sending_the_last_update_of_a_chunk_completes_it():
@@ -97,6 +99,7 @@ def test_failure_while_sending_the_last_update_of_a_chunk_completes_it():
     result = master.run_chunk(ChunkPlan(plan.steps[:1]))
     assert master.version() == 1 and result.interrupted_at is None
     assert master.channel.calls == ["gather_up", "send_down"]  # the live workers finished the chunk
+    assert [s.index for s in result.steps] == [0]
 
 
 def hold_back_writes(monkeypatch) -> threading.Event:

@@ -16,7 +16,14 @@ import torch
 
 from dpgs.compression import ParamLayout
 from dpgs.config.schema import Config
-from dpgs.distributed.sync.contract import Contribution, Received, StepSync, contribution, step_bounds
+from dpgs.distributed.sync.contract import (
+    Contribution,
+    Received,
+    StepSync,
+    UpdateNotSent,
+    contribution,
+    step_bounds,
+)
 from dpgs.distributed.sync.delta import DeltaSync
 from dpgs.distributed.sync.relay import RelaySync
 
@@ -30,5 +37,5 @@ def build_sync(config: Config, model: torch.nn.Module) -> StepSync:
     return SCHEMES[compression.downlink](compression, config.train, layout)
 
 
-__all__ = ["SCHEMES", "Contribution", "DeltaSync", "Received", "RelaySync", "StepSync", "build_sync",
-           "contribution", "step_bounds"]
+__all__ = ["SCHEMES", "Contribution", "DeltaSync", "Received", "RelaySync", "StepSync", "UpdateNotSent",
+           "build_sync", "contribution", "step_bounds"]

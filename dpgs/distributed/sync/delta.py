@@ -26,9 +26,17 @@ from dpgs.distributed.frames import (
 )
 from dpgs.distributed.messages import MasterStep, StepPlan
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up, step_bounds
+from dpgs.distributed.sync.contract import (
+    Contribution,
+    Received,
+    UpdateNotSent,
+    contribution,
+    dense_step_bytes,
+    split_up,
+    step_bounds,
+)
 from dpgs.distributed.sync.relay import norm_and_clip
-from dpgs.distributed.transport import Channel
+from dpgs.distributed.transport import Channel, ChannelBroken
 
 
 class DeltaSync:
@@ -43,9 +51,9 @@ class DeltaSync:
         self.downlink = DeltaDownlink(compression)
 
     # ---------------------------------------------------------------- worker
-    def contribute(self, step, n_bags, grad, buffers, replica) -> Contribution:
+    def contribute(self, step, n_bags, loss_sum, grad, buffers, replica) -> Contribution:
         gradient = self.uplink.encode(grad, step.keep_ratio) if n_bags else b""
-        return contribution(step.index, n_bags, gradient, buffers)
+        return contribution(step.index, n_bags, loss_sum, gradient, buffers)
 
     def codec_seconds(self, grad, keep_ratio, workers) -> float:
         return self.uplink.codec_seconds(grad, keep_ratio, decodes=workers)  # the master sums the P payloads
@@ -71,13 +79,14 @@ class DeltaSync:
     def master(self, channel: Channel, step: StepPlan, replica: Replica) -> MasterStep:
         start = time.perf_counter()
         bounds = step_bounds(step, replica)
-        grads, buffers = split_up(channel.gather_up(bound=bounds.up), replica)
+        up = split_up(channel.gather_up(bound=bounds.up), replica)
         waited = time.perf_counter()
-        total = self.uplink.sum_into(replica.gradient_buffer().zero_(), grads, step.counts(), step.keep_ratio)
+        total = self.uplink.sum_into(replica.gradient_buffer().zero_(), up.grads, step.counts(),
+                                     step.keep_ratio)
         norm, clip = norm_and_clip(total, step.n_bags, self.grad_clip)
         decoded = time.perf_counter()
         replica.step(total.div_(step.n_bags), step.lr, clip)
-        merged = None if buffers is None else buffers / step.n_bags
+        merged = None if up.buffers is None else up.buffers / step.n_bags
         replica.load_buffers(merged)
         stepped = time.perf_counter()
         params = replica.flat_params()
@@ -88,20 +97,29 @@ class DeltaSync:
             delta = self.downlink.update(params, step.keep_ratio)
             frame = encode_frame(KIND_DELTA, step.index + 1, 1.0, [as_part(delta), buffers_part(merged)])
         replica.version = step.index + 1  # taken, even if sending fails: live workers may have it
-        channel.send_down(frame, bounds.down)
+        broken = None
+        try:
+            channel.send_down(frame, bounds.down)
+        except ChannelBroken as err:
+            broken = err
         done = time.perf_counter()
-        return MasterStep(
+        report = MasterStep(
             index=step.index,
             n_bags=step.n_bags,
+            loss_sum=up.loss_sum,
             grad_norm=norm,
             wait_seconds=waited - start,
             decode_seconds=decoded - waited,
             optimizer_seconds=stepped - decoded,
             encode_seconds=done - stepped,
-            down_bytes=frame.numel(),
-            down_dense_bytes=4 * (replica.numel + replica.n_buffers),
+            up_bytes=up.up_bytes,
+            down_bytes=frame.numel() * len(step.bags),
+            dense_bytes=dense_step_bytes(replica, len(step.bags)),
             step_seconds=done - start,
         )
+        if broken is not None:
+            raise UpdateNotSent(broken, report)
+        return report
 
     def restart(self, replica: Replica) -> None:
         self.downlink.restart(replica.flat_params(), replica.version)

@@ -41,7 +41,16 @@ from dpgs.distributed.frames import (
 )
 from dpgs.distributed.messages import MasterStep, StepPlan
 from dpgs.distributed.replica import Replica
-from dpgs.distributed.sync.contract import Contribution, Received, contribution, split_up, step_bounds
+from dpgs.distributed.sync.contract import (
+    Contribution,
+    Received,
+    UpdateNotSent,
+    contribution,
+    dense_step_bytes,
+    split_up,
+    step_bounds,
+    tail_bytes,
+)
 from dpgs.distributed.transport import Channel, ChannelBroken, worker_of
 from dpgs.train.optim import clip_coefficient, l2_norm
 
@@ -70,12 +79,12 @@ class RelaySync:
             replica.freeze_second_moment(self.floor)
 
     # ---------------------------------------------------------------- worker
-    def contribute(self, step, n_bags, grad, buffers, replica) -> Contribution:
+    def contribute(self, step, n_bags, loss_sum, grad, buffers, replica) -> Contribution:
         self._freeze_at(step, replica)  # the residual is empty then: every step before it was dense
         if n_bags and replica.frozen:
             grad = grad / replica.preconditioner()
         gradient = self.uplink.encode(grad, step.keep_ratio) if n_bags else b""
-        return contribution(step.index, n_bags, gradient, buffers)
+        return contribution(step.index, n_bags, loss_sum, gradient, buffers)
 
     def codec_seconds(self, grad, keep_ratio, workers) -> float:
         return self.uplink.codec_seconds(grad, keep_ratio, decodes=workers)  # each worker sums P payloads
@@ -113,7 +122,7 @@ class RelaySync:
     def master(self, channel: Channel, step: StepPlan, replica: Replica) -> MasterStep:
         start = time.perf_counter()
         self._freeze_at(step, replica)
-        tail = 8 * replica.n_buffers  # each message up ends with the worker's buffers
+        tail = tail_bytes(replica.n_buffers)  # each message up ends with the worker's loss sum and buffers
 
         def forward(sizes: list[int]) -> list[int] | None:
             """Relay the payloads when the other P - 1 are smaller than the dense sum."""
@@ -125,8 +134,8 @@ class RelaySync:
         bodies = (channel.gather_up(forward=forward) if bounds.up is None  # a dense step is never relayed
                   else channel.gather_up(bound=bounds.up))
         relay = forward([b.numel() for b in bodies]) is not None
-        grads, buffers = split_up(bodies, replica)
-        merged = None if buffers is None else buffers / step.n_bags
+        up = split_up(bodies, replica)
+        merged = None if up.buffers is None else up.buffers / step.n_bags
         waited = time.perf_counter()
         broken: list[ChannelBroken] = []
         sending = 0.0
@@ -148,39 +157,44 @@ class RelaySync:
         # the master decodes the payloads, the dense sum as soon as it is formed (the workers decode and step
         # meanwhile); with clipping the mean gradient's norm sets the clip factor first.
         clip_first = self.grad_clip is not None
-        down = 0
+        frame_size = 0
         if relay and not clip_first:
-            down = send(KIND_GRADIENTS, 1.0, [])
-        total = self.uplink.sum_into(replica.gradient_buffer().zero_(), grads, step.counts(), step.keep_ratio)
+            frame_size = send(KIND_GRADIENTS, 1.0, [])
+        total = self.uplink.sum_into(replica.gradient_buffer().zero_(), up.grads, step.counts(),
+                                     step.keep_ratio)
         if not relay and not clip_first:
-            down = send(KIND_SUM, 1.0, [as_part(total)])  # the frame holds a copy
+            frame_size = send(KIND_SUM, 1.0, [as_part(total)])  # the frame holds a copy
         norm, clip = norm_and_clip(total, step.n_bags, self.grad_clip)
         decoded = time.perf_counter()
         before_decoded = sending
         if clip_first:
-            down = send(KIND_GRADIENTS, clip, []) if relay else send(KIND_SUM, clip, [as_part(total)])
-        if relay:
-            sizes = [g.numel() for g in grads]
-            down += sum(sizes) - min(sizes)  # relayed during the gather
+            frame_size = send(KIND_GRADIENTS, clip, []) if relay else send(KIND_SUM, clip, [as_part(total)])
+        workers = len(step.bags)
+        down = frame_size * workers
+        if relay:  # during the gather every worker got the others' payloads
+            down += (workers - 1) * sum(up.payload_sizes())
         relayed = time.perf_counter()
         replica.step(total.div_(step.n_bags), step.lr, clip)  # the workers take the same step meanwhile
         replica.load_buffers(merged)
         replica.version = step.index + 1
-        if broken:
-            raise broken[0]
         done = time.perf_counter()
-        return MasterStep(
+        report = MasterStep(
             index=step.index,
             n_bags=step.n_bags,
+            loss_sum=up.loss_sum,
             grad_norm=norm,
             wait_seconds=waited - start,
             decode_seconds=decoded - waited - before_decoded,
             optimizer_seconds=done - relayed,
             encode_seconds=sending,
+            up_bytes=up.up_bytes,
             down_bytes=down,
-            down_dense_bytes=4 * (replica.numel + replica.n_buffers),
+            dense_bytes=dense_step_bytes(replica, workers),
             step_seconds=done - start,
         )
+        if broken:
+            raise UpdateNotSent(broken[0], report)
+        return report
 
     def restart(self, replica: Replica) -> None:
         """Nothing to restart: workers take the master's own steps."""
