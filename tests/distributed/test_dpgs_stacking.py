@@ -192,6 +192,7 @@ def test_a_worker_error_ends_the_run_at_once_with_that_error(ray_cluster, tmp_pa
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow  # the worker that dies mid-chunk (next test) covers the same path in the default run
 def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, tmp_path):
     """SIGKILL a worker while the chunk runs: the epoch completes, every bag counts once (exact result),
     one restart is counted, and all replicas end equal to the master."""
@@ -216,8 +217,9 @@ def test_killed_worker_is_restarted_and_only_its_bags_rerun(ray_cluster, bags, t
 
 
 def test_a_worker_dying_mid_chunk_loses_nothing_of_the_epochs_metrics(ray_cluster, bags, tmp_path):
-    """Worker 0 dies after it completed the chunk's first step, whose report dies with it: the epoch's loss,
-    steps and bytes are still the clean run's (the master's reports hold them), and so are the weights."""
+    """Worker 0 dies after it completed the chunk's first step, whose report dies with it: it is restarted,
+    every bag counts once (the clean run's weights, every replica equal to the master's), and the epoch's
+    loss, steps and bytes are still the clean run's (the master's reports hold them)."""
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
                          "dpgs.call_timeout_s=60", *EXACT, *DENSE)
     data = experiment_data(config)
@@ -228,8 +230,11 @@ def test_a_worker_dying_mid_chunk_loses_nothing_of_the_epochs_metrics(ray_cluste
         ray.get(engine.group.workers.handles[0].__ray_call__.remote(die_at_step(1)))
         stats = engine.run_epoch(batches, 1, [])
         faulty = {k: v.clone() for k, v in engine.state_dict().items()}
+        replicas = ray.get(engine.group.workers.call("replica_state"))
+        master = ray.get(engine.group.master.replica_state.remote())
     assert stats["worker_restarts"] == 1.0
     assert_close(faulty, clean, 1e-6)
+    assert all(torch.equal(r.params, master.params) and r.version == 3 for r in replicas)
     for key in ("optimizer_steps", "comm_bytes_up", "comm_bytes_down", "comm_dense_bytes"):
         assert stats[key] == expected[key], key
     assert stats["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-9)
