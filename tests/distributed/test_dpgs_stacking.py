@@ -377,6 +377,7 @@ def test_a_failed_epoch_write_in_the_master_raises_its_oserror_and_keeps_the_pre
     assert torch.load(out / CHECKPOINT_FILE, weights_only=True)["driver"]["epoch"] == 2  # epoch 1's
 
 
+@pytest.mark.slow  # the run stopped by a dying worker (next test) covers it, mid-chunk, in the default run
 def test_workers_dying_past_the_limit_stop_with_checkpoint(ray_cluster, bags, tmp_path):
     config = make_config(*bags, tmp_path / "run", "train.mode=dpgs", "dpgs.workers=2",
                          "dpgs.max_worker_restarts=0", "dpgs.call_timeout_s=30")
