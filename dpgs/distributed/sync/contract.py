@@ -97,10 +97,10 @@ def split_up(bodies: list[torch.Tensor], replica: Replica) -> Gathered:
             raise PayloadError(f"worker {worker} sent {body.numel()} bytes; expected at least {tail} bytes "
                                "of loss sum and buffers")
         grads.append(body[: body.numel() - tail])
-        values = body[body.numel() - tail :].clone().view(torch.float64)  # (any byte alignment)
+        values = body[body.numel() - tail :].clone().view(torch.float64)  # a copy: any byte alignment
         loss_sum += float(values[0])
         if replica.n_buffers:
-            buffers = values[1:].clone() if buffers is None else buffers.add_(values[1:])
+            buffers = values[1:] if buffers is None else buffers.add_(values[1:])
     return Gathered(grads, buffers, loss_sum, sum(b.numel() for b in bodies))
 
 
